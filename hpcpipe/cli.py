@@ -1,0 +1,190 @@
+"""`hpcpipe run | plan | ...`: parse arguments, load the deck, call one function.
+
+Exit codes: 0 ok, 2 bad input (deck, arguments, files), 1 runtime failure. `plan` never starts
+MPI; `run` starts it only after the deck has been read and checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from hpcpipe import __version__
+from hpcpipe.config import Config, ConfigError, dump_toml, load_config
+from hpcpipe.mpi.guard import EXIT_BAD_INPUT, abort_on_error, launcher_rank
+from hpcpipe.topology import RankMap, TopologyError
+
+__all__ = ["main", "register_command"]
+
+_COMMANDS: dict[
+    str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
+] = {}
+
+
+def register_command(name: str, help_text: str):
+    """Decorator pair for a verb: `configure(parser)` then `execute(args) -> exit code`."""
+
+    def wrap(configure: Callable[[argparse.ArgumentParser], None]):
+        def bind(execute: Callable[[argparse.Namespace], int]):
+            _COMMANDS[name] = (configure, execute, help_text)
+            return execute
+
+        return bind
+
+    return wrap
+
+
+def _deck_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "deck",
+        nargs="?",
+        default=None,
+        help="input deck (TOML, see inputs/); default: the built-in quick-start deck",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a deck key, e.g. --set topology.pp=4 (repeatable; TOML values)",
+    )
+
+
+def _load(args: argparse.Namespace) -> Config:
+    return load_config(args.deck, args.overrides)
+
+
+# ---------------------------------------------------------------- run
+
+
+def _configure_run(p: argparse.ArgumentParser) -> None:
+    _deck_arguments(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved deck and the rank layout, then exit",
+    )
+    p.add_argument("--verbose", action="store_true", help="let every rank log, not just rank 0")
+
+
+def _execute_run(args: argparse.Namespace) -> int:
+    config = _load(args)  # before MPI starts: every rank reads the same deck
+    from hpcpipe.runtime import run_job
+
+    return abort_on_error(
+        lambda: run_job(config, dry_run=args.dry_run, verbose=args.verbose),
+        bad_input=(ConfigError,),
+    )
+
+
+register_command(
+    "run", "run the deck's workload on the current MPI world (mpiexec -n N hpcpipe run DECK)"
+)(_configure_run)(_execute_run)
+
+
+# ---------------------------------------------------------------- plan
+
+
+def _configure_plan(p: argparse.ArgumentParser) -> None:
+    _deck_arguments(p)
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="world size to plan for (default: pp * dp from the deck)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: topology.ranks_per_node, else 8)",
+    )
+    p.add_argument("--rows", type=int, default=16, help="ranks listed in the layout table")
+    p.add_argument("--png", default=None, help="write the pipeline schedule timeline to this PNG")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="table of every pipeline schedule for the deck's p, m and costs",
+    )
+    p.add_argument("--show-config", action="store_true", help="print the resolved deck too")
+
+
+def _execute_plan(args: argparse.Namespace) -> int:
+    config = _load(args)
+    topo = config.topology
+    world = args.world
+    if world is None:
+        if topo.dp == 0:
+            raise ConfigError(
+                config.source, "topology.dp", "= 0 (the rest of the world): pass --world N to plan"
+            )
+        world = topo.pp * topo.dp
+    if world < 1:
+        raise ConfigError("--world", "", f"must be >= 1, got {world}")
+    rpn = args.ranks_per_node or topo.ranks_per_node or 8
+    if rpn < 1:
+        raise ConfigError("--ranks-per-node", "", f"must be >= 1, got {rpn}")
+    try:
+        rankmap = RankMap.build(world, rpn, pp=topo.pp, dp=topo.dp, ep=topo.ep, order=topo.order)
+    except TopologyError as exc:
+        raise ConfigError(
+            config.source,
+            f"topology.{exc.dim}" if exc.dim else "topology",
+            f"{exc.detail} (planning for --world {world}; --set topology.dp=0 "
+            "gives dp the rest of the world)",
+        ) from None
+    if args.show_config:
+        print(dump_toml(config))
+    print(rankmap.describe(max_rows=args.rows))
+    for problem in rankmap.check_intra_node(topo.intra_node):
+        print(f"WARNING: {problem}")
+    pipeline = config.sections.get("pipeline")
+    if pipeline is not None and (config.run.workload == "train" or args.png or args.compare):
+        from hpcpipe.schedules.report import plan_report
+
+        print()
+        print(plan_report(pipeline, rankmap.pp, png=args.png, compare=args.compare))
+    return 0
+
+
+register_command("plan", "show the rank layout and pipeline schedule for a deck (no MPI)")(
+    _configure_plan
+)(_execute_plan)
+
+
+# ---------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpcpipe",
+        description="MPI-native pipeline, data and expert parallelism, and pipelined sweeps.",
+        epilog="Examples:\n  mpiexec -n 8 hpcpipe run inputs/topology_tiny.toml\n"
+        "  hpcpipe plan inputs/topology_tiny.toml --world 4096 --ranks-per-node 8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"hpcpipe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (configure, execute, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        configure(p)
+        p.set_defaults(execute=execute)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.execute(args)
+    except ConfigError as exc:
+        if launcher_rank() == 0:
+            print(f"ERROR: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

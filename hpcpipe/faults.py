@@ -1,0 +1,46 @@
+"""Deliberate faults for testing that failures end the whole job (never a hang).
+
+Set `HPCPIPE_INJECT_FAULT="rank=3,at=topology,kind=raise"` (kind: raise, exit, kill, hang; `at`
+names an injection point such as `topology`, `step:5`, `forward`, `allreduce`, `checkpoint`).
+Unset, `maybe_fail` costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+__all__ = ["InjectedFault", "maybe_fail"]
+
+_SPEC: dict[str, str] | None = None
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an injected `kind=raise` fault."""
+
+
+def _spec() -> dict[str, str]:
+    global _SPEC
+    if _SPEC is None:
+        raw = os.environ.get("HPCPIPE_INJECT_FAULT", "")
+        _SPEC = dict(item.split("=", 1) for item in raw.split(",") if "=" in item)
+    return _SPEC
+
+
+def maybe_fail(point: str, rank: int) -> None:
+    """Trigger the configured fault if this rank is at the configured injection point."""
+    spec = _spec()
+    if not spec or spec.get("at") != point or int(spec.get("rank", "-1")) != rank:
+        return
+    kind = spec.get("kind", "raise")
+    if kind == "raise":
+        raise InjectedFault(f"injected fault at {point} on rank {rank}")
+    if kind == "exit":
+        os._exit(3)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:
+            time.sleep(1)
+    raise ValueError(f"HPCPIPE_INJECT_FAULT: kind = {kind!r} is not raise, exit, kill or hang")

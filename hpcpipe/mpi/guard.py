@@ -1,0 +1,130 @@
+"""One rank failing must end the whole job, loudly and fast, never hang the others.
+
+An unhandled exception on any rank prints `[rank N on host] ...` with the traceback to stderr
+and calls `MPI.COMM_WORLD.Abort`, which makes the launcher kill every rank and exit non-zero.
+Bad input found identically on every rank (a deck error) exits 2 without Abort, printed once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+EXIT_RUNTIME = 1
+EXIT_BAD_INPUT = 2
+
+
+def rank_prefix() -> str:
+    """`[rank N on host]`, known even before MPI is initialised (from launcher variables)."""
+    rank = _launcher_rank()
+    return f"[rank {rank if rank is not None else '?'} on {socket.gethostname()}]"
+
+
+def _launcher_rank() -> int | None:
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            return MPI.COMM_WORLD.rank
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            try:
+                return int(os.environ[var])
+            except ValueError:
+                continue
+    return None
+
+
+def launcher_rank() -> int:
+    """This process's world rank as the launcher set it (0 when not under a launcher)."""
+    rank = _launcher_rank()
+    return 0 if rank is None else rank
+
+
+def abort_on_error(fn: Callable[[], T], *, bad_input: tuple[type[BaseException], ...] = ()) -> T:
+    """Run `fn`; on an unhandled exception print it with the rank prefix and abort the world.
+
+    Exceptions in `bad_input` are reported once as `ERROR: ...` and exit with code 2 when every
+    rank raised one (deck checks run identically everywhere); raised on one rank only, they
+    abort the job with code 2 so that the other ranks cannot hang.
+    """
+    try:
+        return fn()
+    except SystemExit:
+        raise
+    except bad_input as exc:
+        if _everyone_failed():
+            if launcher_rank() == 0:
+                print(f"ERROR: {exc}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_BAD_INPUT)
+        print(f"{rank_prefix()} ERROR: {exc}", file=sys.stderr, flush=True)
+        _abort(EXIT_BAD_INPUT)
+        raise  # unreachable: Abort does not return
+    except BaseException as exc:  # the job's last line of defence
+        _report_crash(exc)
+        _abort(EXIT_RUNTIME)
+        raise  # unreachable: Abort does not return
+
+
+def _abort(code: int) -> None:
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(code)
+    sys.exit(code)
+
+
+def _everyone_failed(deadline_s: float = 5.0) -> bool:
+    """Agree, with a deadline, that every rank failed; on a private communicator so that the
+    agreement cannot match a collective the other ranks are still inside."""
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return True  # failed before MPI started: every rank read the same deck
+    comm = _agreement_comm()
+    if comm.size == 1:
+        return True
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if req.Test():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+_AGREEMENT: list = []
+
+
+def _agreement_comm():
+    """A duplicate of COMM_WORLD made at start-up (see `prepare`), only for failure agreement."""
+    from mpi4py import MPI
+
+    return _AGREEMENT[0] if _AGREEMENT else MPI.COMM_WORLD
+
+
+def prepare() -> None:
+    """Call once right after MPI starts: duplicates the world for failure agreement."""
+    from mpi4py import MPI
+
+    if not _AGREEMENT:
+        _AGREEMENT.append(MPI.COMM_WORLD.Dup())
+
+
+def _report_crash(exc: BaseException) -> None:
+    prefix = rank_prefix()
+    tb = "".join(traceback.format_exception(exc)).rstrip()
+    body = "\n".join(f"{prefix} {line}" for line in tb.splitlines())
+    print(
+        f"{prefix} unhandled {type(exc).__name__}: {exc}\n{body}\n"
+        f"{prefix} aborting the whole job (MPI_Abort)",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -1,0 +1,111 @@
+"""Shared test helpers: start real `mpiexec` jobs, always bounded by a timeout."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+INPUTS = ROOT / "inputs"
+
+
+@cache
+def mpiexec_command() -> list[str]:
+    """The launcher: $HPCPIPE_MPIEXEC, else the mpiexec beside this Python, else on PATH.
+
+    Open MPI refuses root and more ranks than cores unless told; its flags are added only when
+    the launcher is Open MPI.
+    """
+    if os.environ.get("HPCPIPE_MPIEXEC"):
+        cmd = shlex.split(os.environ["HPCPIPE_MPIEXEC"])
+    else:
+        beside = Path(sys.executable).parent / "mpiexec"
+        found = str(beside) if beside.exists() else shutil.which("mpiexec")
+        if found is None:
+            pytest.skip("no mpiexec found: install the 'mpich' extra or set HPCPIPE_MPIEXEC")
+        cmd = [found]
+    try:
+        version = subprocess.run(
+            [*cmd, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    if "Open MPI" in version or "OpenRTE" in version:
+        extra = ["--oversubscribe"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            extra.append("--allow-run-as-root")
+        cmd = [*cmd, *extra]
+    return cmd
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_mpi(
+    n: int,
+    args: list[str],
+    *,
+    timeout: float = 120,
+    env: dict | None = None,
+    cwd: Path | None = None,
+) -> Result:
+    """`mpiexec -n N python -m hpcpipe ARGS`; a hang becomes a test failure after `timeout`."""
+    import time
+
+    full_env = {**os.environ, **(env or {})}
+    cmd = [*mpiexec_command(), "-n", str(n), sys.executable, "-m", "hpcpipe", *args]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(
+            f"mpiexec -n {n} {' '.join(args)} did not finish in {timeout}s (hang?)\n"
+            f"stdout:\n{exc.stdout}\nstderr:\n{exc.stderr}"
+        )
+    return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+
+def run_cli(args: list[str], *, timeout: float = 60, cwd: Path | None = None) -> Result:
+    """`python -m hpcpipe ARGS` without a launcher (plan, trace, bad-input paths)."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcpipe", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or ROOT,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+
+@pytest.fixture
+def mpirun():
+    """Fixture form of `run_mpi`: `mpirun(4, ["run", deck])`."""
+    return run_mpi
+
+
+@pytest.fixture
+def cli():
+    """Fixture form of `run_cli`."""
+    return run_cli
