@@ -241,9 +241,10 @@ _SECTIONS: dict[str, str | type] = {
     "device": DeviceConfig,
     "pipeline": "hpcpipe.schedules.config:PipelineConfig",
     "model": "hpcpipe.model.config:ModelConfig",
-    "data": "hpcpipe.train.config:DataConfig",
-    "optim": "hpcpipe.train.config:OptimConfig",
+    "data": "hpcpipe.train.data:DataConfig",
+    "optim": "hpcpipe.train.optim:OptimConfig",
     "sweep": "hpcpipe.sweep.config:SweepConfig",
+    "train": "hpcpipe.train.settings:TrainConfig",
 }
 
 

@@ -1,0 +1,147 @@
+"""Models as flat lists of pipeline units, their costs, and balanced contiguous partitions.
+
+A model is ``[embedding, block_1, ..., block_L, loss head]``. The position of a unit in this list is
+its *global layer index*: it seeds the unit's parameters and names them in checkpoints, so any
+partition into stages starts from, and saves to, the same weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.model.blocks import LossHead, ResidualMLP, TransformerBlock
+from hpcpipe.model.config import ModelConfig
+from hpcpipe.model.layers import Array, Embedding, Module
+
+__all__ = [
+    "Params",
+    "UnitCost",
+    "balance",
+    "boundary_shape",
+    "build_model",
+    "describe",
+    "init_params",
+    "partition",
+    "unit_costs",
+]
+
+Params = dict[int, dict[str, Array]]  # global layer index -> parameter name -> array
+
+
+def build_model(cfg: ModelConfig) -> list[Module]:
+    """The pipeline units of the model: embedding, `cfg.layers` residual blocks, loss head."""
+    d, n = cfg.d_model, cfg.layers
+    if cfg.kind == "mlp":
+        blocks: list[Module] = [ResidualMLP(d, cfg.d_ff, n) for _ in range(n)]
+        first = Embedding(cfg.vocab, d)
+    elif cfg.kind == "gpt":
+        blocks = [TransformerBlock(d, cfg.n_heads, cfg.d_ff, cfg.seq_len, n) for _ in range(n)]
+        first = Embedding(cfg.vocab, d, seq_len=cfg.seq_len)
+    else:
+        raise ValueError(f"kind: = {cfg.kind!r} is not a known model (mlp, gpt)")
+    return [first, *blocks, LossHead(d, cfg.vocab)]
+
+
+def boundary_shape(cfg: ModelConfig, batch: int) -> tuple[int, int, int]:
+    """Shape of every activation passed between units (and so between stages)."""
+    return (batch, cfg.seq_len, cfg.d_model)
+
+
+def init_params(
+    units: Sequence[Module],
+    seed: int,
+    xp: Any = np,
+    dtype: Any = "float32",
+    indices: Iterable[int] | None = None,
+) -> Params:
+    """Parameters of the units at `indices` (default: all), keyed by global layer index."""
+    chosen = range(len(units)) if indices is None else indices
+    return {i: units[i].init(seed, i, xp, dtype) for i in chosen}
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Cost estimate of one unit: parameter count and approximate forward FLOPs per token."""
+
+    params: int
+    flops: int
+
+
+def unit_costs(units: Sequence[Module]) -> list[UnitCost]:
+    return [UnitCost(u.n_params, u.flops_per_token()) for u in units]
+
+
+def balance(weights: Sequence[float], n_stages: int) -> list[range]:
+    """Split `weights` into `n_stages` contiguous, non-empty ranges minimising the heaviest one.
+
+    Exact dynamic programme; among partitions with the same heaviest stage it prefers the one with
+    the smaller sum of squared stage weights (flatter), then the earlier split points.
+    """
+    n = len(weights)
+    if n_stages < 1:
+        raise ValueError(f"n_stages = {n_stages} must be >= 1")
+    if n_stages > n:
+        raise ValueError(f"cannot split {n} units into {n_stages} non-empty stages")
+    w = np.asarray(weights, dtype=np.float64)
+    if np.any(w < 0) or not np.all(np.isfinite(w)):
+        raise ValueError("unit weights must be finite and >= 0")
+    prefix = np.concatenate(([0.0], np.cumsum(w)))
+    worst = np.full((n_stages + 1, n + 1), np.inf)
+    squares = np.full((n_stages + 1, n + 1), np.inf)
+    cut = np.zeros((n_stages + 1, n + 1), dtype=np.int64)
+    worst[0, 0] = squares[0, 0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            j = np.arange(s - 1, i)
+            seg = prefix[i] - prefix[j]
+            m = np.maximum(worst[s - 1, j], seg)
+            q = squares[s - 1, j] + seg * seg
+            best = np.lexsort((j, q, m))[0]
+            worst[s, i], squares[s, i], cut[s, i] = m[best], q[best], j[best]
+    bounds = [n]
+    for s in range(n_stages, 0, -1):
+        bounds.append(int(cut[s, bounds[-1]]))
+    bounds.reverse()
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def partition(
+    units: Sequence[Module], n_stages: int, by: str | Sequence[int] = "flops"
+) -> list[range]:
+    """Contiguous unit ranges, one per stage: balanced by "params" or "flops", or explicit sizes.
+
+    Explicit sizes are the number of units of each stage, e.g. ``[2, 3, 3, 2]`` for 10 units.
+    """
+    if isinstance(by, str):
+        if by == "params":
+            return balance([u.n_params for u in units], n_stages)
+        if by == "flops":
+            return balance([u.flops_per_token() for u in units], n_stages)
+        raise ValueError(f"by = {by!r} must be 'params', 'flops' or a list of stage sizes")
+    sizes = [int(s) for s in by]
+    if len(sizes) != n_stages:
+        raise ValueError(f"explicit partition has {len(sizes)} stages, expected {n_stages}")
+    if any(s < 1 for s in sizes) or sum(sizes) != len(units):
+        raise ValueError(
+            f"explicit partition {sizes} must give every stage >= 1 unit and sum to "
+            f"{len(units)} (the model's units)"
+        )
+    starts = np.concatenate(([0], np.cumsum(sizes))).tolist()
+    return [range(a, b) for a, b in itertools.pairwise(starts)]
+
+
+def describe(units: Sequence[Module], stages: Sequence[range] | None = None) -> str:
+    """A table of units (index, type, params, FLOPs/token), with stage totals when given."""
+    lines = [f"{'unit':>4}  {'type':<18} {'params':>10} {'flops/tok':>10}"]
+    for i, u in enumerate(units):
+        lines.append(f"{i:>4}  {type(u).__name__:<18} {u.n_params:>10} {u.flops_per_token():>10}")
+    for s, r in enumerate(stages or ()):
+        p = sum(units[i].n_params for i in r)
+        f = sum(units[i].flops_per_token() for i in r)
+        lines.append(f"stage {s}: units {r.start}..{r.stop - 1}  params={p} flops/tok={f}")
+    return "\n".join(lines)

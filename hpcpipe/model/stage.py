@@ -1,0 +1,111 @@
+"""A pipeline stage: a contiguous run of units, executed as F, B and W for one microbatch at a time.
+
+The stage keeps no state between calls: F returns a context that the caller holds until B, and B
+returns a weight context held until W. That is what lets a schedule keep several microbatches in
+flight and delay W (zero-bubble schedules), and makes live activation memory measurable.
+
+    y, ctx = stage.forward(params, x, targets)       # first stage: x = token ids
+                                                     # last stage: y = mean loss of the microbatch
+    dx, wctx = stage.backward_input(params, ctx, dy) # last stage: dy = weight of that loss
+                                                     # first stage: dx is None
+    grads = stage.backward_weight(params, wctx)      # {global index: {name: array}}
+
+Contexts may reference the arrays passed in (W of a block's last projection needs `dy` itself), so
+treat `x` as owned by the stage until B of that microbatch and `dy` until its W: a reusable
+receive buffer must be copied, or not refilled, while those contexts are alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.model.blocks import LossHead
+from hpcpipe.model.layers import Array, Embedding, Layer, Module, activation_bytes, array_module
+from hpcpipe.model.models import Params
+
+__all__ = ["Stage", "accumulate", "zeros_like"]
+
+
+class Stage:
+    """Units ``units[r]`` for a range ``r`` of global layer indices."""
+
+    def __init__(self, units: Sequence[Module], indices: range):
+        if len(indices) == 0 or indices.step != 1:
+            raise ValueError(f"a stage needs a non-empty contiguous range of units, got {indices}")
+        if indices.start < 0 or indices.stop > len(units):
+            raise ValueError(f"{indices} is outside the model's {len(units)} units")
+        self.indices = indices
+        self.units = [units[i] for i in indices]
+        for i, u in zip(indices, self.units, strict=True):
+            if isinstance(u, LossHead) and i != indices[-1]:
+                raise ValueError(f"the loss head (unit {i}) must be the last unit of its stage")
+        self.is_first = isinstance(self.units[0], Embedding)
+        self.is_last = isinstance(self.units[-1], LossHead)
+
+    def __repr__(self) -> str:
+        return f"Stage(units {self.indices.start}..{self.indices.stop - 1})"
+
+    def init(self, seed: int, xp: Any = np, dtype: Any = "float32") -> Params:
+        """This stage's parameters, identical to the same units' in any other partition."""
+        return {
+            i: u.init(seed, i, xp, dtype) for i, u in zip(self.indices, self.units, strict=True)
+        }
+
+    def forward(self, params: Params, x: Array, targets: Array | None = None) -> tuple[Array, Any]:
+        """F for one microbatch: the output (the 0-d mean loss on the last stage) and its ctx."""
+        ctxs = []
+        for i, unit in zip(self.indices, self.units, strict=True):
+            if isinstance(unit, LossHead):
+                if targets is None:
+                    raise ValueError(f"{self} ends with the loss head: forward needs targets")
+                x, ctx = unit.forward(params[i], x, targets)
+            else:
+                assert isinstance(unit, Layer)
+                x, ctx = unit.forward(params[i], x)
+            ctxs.append(ctx)
+        return x, ctxs
+
+    def backward_input(self, params: Params, ctx: Any, dy: Any) -> tuple[Array | None, Any]:
+        """B: gradient for the previous stage (None on the first) and the ctx W needs.
+
+        On the last stage `dy` is the weight of this microbatch's mean loss in the objective
+        (tokens in the microbatch / tokens in the global batch).
+        """
+        wctxs: list[Any] = [None] * len(self.units)
+        for k in reversed(range(len(self.units))):
+            i = self.indices[k]
+            dy, wctxs[k] = self.units[k].backward_input(params[i], ctx[k], dy)
+        return dy, wctxs
+
+    def backward_weight(self, params: Params, wctx: Any) -> Params:
+        """W: parameter gradients of this microbatch, keyed like `params`."""
+        return {
+            i: unit.backward_weight(params[i], w)
+            for i, unit, w in zip(self.indices, self.units, wctx, strict=True)
+        }
+
+    def backward(self, params: Params, ctx: Any, dy: Any) -> tuple[Array | None, Params]:
+        """Fused BW: B then W at once (schedules without a B/W split)."""
+        dx, wctx = self.backward_input(params, ctx, dy)
+        return dx, self.backward_weight(params, wctx)
+
+    @staticmethod
+    def activation_bytes(ctx: Any) -> int:
+        """Bytes held by a ctx (after F) or a wctx (after B), each buffer counted once."""
+        return activation_bytes(ctx)
+
+
+def zeros_like(params: Params) -> Params:
+    """Gradient accumulators shaped like `params`."""
+    return {i: {k: array_module(v).zeros_like(v) for k, v in p.items()} for i, p in params.items()}
+
+
+def accumulate(total: Params, grads: Params) -> Params:
+    """total += grads, in place, unit by unit (microbatch gradient accumulation)."""
+    for i, g in grads.items():
+        for k, v in g.items():
+            total[i][k] += v
+    return total
