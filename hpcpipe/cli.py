@@ -156,8 +156,24 @@ register_command("plan", "show the rank layout and pipeline schedule for a deck 
 
 # ---------------------------------------------------------------- main
 
+# Modules that register more verbs with `register_command` (imported when the parser is built;
+# they must not import mpi4py at module level, so that `plan` and friends never start MPI).
+PLUGINS = ("hpcpipe.io.ckpt_cli", "hpcpipe.analysis.cli", "hpcpipe.bench.cli")
+
+
+def _load_plugins() -> None:
+    import importlib
+
+    for module in PLUGINS:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:  # a component not present in this build
+            if exc.name is None or not module.startswith(exc.name):
+                raise
+
 
 def build_parser() -> argparse.ArgumentParser:
+    _load_plugins()
     parser = argparse.ArgumentParser(
         prog="hpcpipe",
         description="MPI-native pipeline, data and expert parallelism, and pipelined sweeps.",

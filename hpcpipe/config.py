@@ -245,12 +245,10 @@ _SECTIONS: dict[str, str | type] = {
     "optim": "hpcpipe.train.optim:OptimConfig",
     "sweep": "hpcpipe.sweep.config:SweepConfig",
     "train": "hpcpipe.train.settings:TrainConfig",
+    "moe": "hpcpipe.moe.config:MoEConfig",
+    "checkpoint": "hpcpipe.io.ckpt_config:CheckpointConfig",
+    "trace": "hpcpipe.io.trace_config:TraceConfig",
 }
-
-
-def register_section(name: str, path: str) -> None:
-    """Declare that `[name]` is parsed by the dataclass at `module:Class`."""
-    _SECTIONS[name] = path
 
 
 def _section_class(name: str) -> type:

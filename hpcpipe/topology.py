@@ -156,6 +156,18 @@ class RankMap:
         base = c["dp"] - c["ep"]
         return tuple(self.rank({"pp": c["pp"], "dp": base + e}) for e in range(self.ep))
 
+    def expert_data_group(self, rank: int) -> tuple[int, ...]:
+        """Replicas of this rank's experts: same stage and ep position, every expert group.
+
+        Expert parameters are sharded over ep, so their gradients are reduced over this group
+        (dp / ep ranks) instead of the whole dp group.
+        """
+        c = self.coords(rank)
+        return tuple(
+            self.rank({"pp": c["pp"], "dp": g * self.ep + c["ep"]})
+            for g in range(self.dp // self.ep)
+        )
+
     def group_index(self, rank: int, dim: str) -> int:
         """A colour that is equal for exactly the ranks of one `dim` group (for Comm.Split)."""
         return min(self.group(rank, dim))

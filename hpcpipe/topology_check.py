@@ -17,16 +17,19 @@ from hpcpipe.runtime import RunContext
 from hpcpipe.topology import DIMS
 
 
+def _comm_and_members(ctx: RunContext, dim: str):
+    """The communicator of `dim` and the members the pure RankMap says it must have."""
+    if dim == "node":
+        node = ctx.rankmap.node_of(ctx.rank)
+        return ctx.comms.node, tuple(r for r in range(ctx.size) if ctx.rankmap.node_of(r) == node)
+    if dim == "edp":
+        return ctx.comms.expert_dp, ctx.rankmap.expert_data_group(ctx.rank)
+    return ctx.comms.group(dim), ctx.rankmap.group(ctx.rank, dim)
+
+
 def _check_group(ctx: RunContext, dim: str) -> tuple[float, str]:
     """Membership, Allreduce and a ring Sendrecv on one dim; returns (seconds, problem or '')."""
-    comm = ctx.comms.group(dim) if dim != "node" else ctx.comms.node
-    expected = (
-        ctx.rankmap.group(ctx.rank, dim)
-        if dim != "node"
-        else tuple(
-            r for r in range(ctx.size) if ctx.rankmap.node_of(r) == ctx.rankmap.node_of(ctx.rank)
-        )
-    )
+    comm, expected = _comm_and_members(ctx, dim)
     t0 = time.perf_counter()
     members = tuple(comm.allgather(ctx.rank))
     total = np.zeros(1, dtype=np.int64)
@@ -66,13 +69,13 @@ def run(ctx: RunContext) -> None:
             ctx.log(f"{r[0]:>5} {r[1][:16]:<16} {r[2]:>4} {r[3]:>5} {r[4]:>3} {r[5]:>3} {r[6]:>3}")
     maybe_fail("topology", ctx.rank)
     problems = []
-    for dim in (*DIMS, "node"):
+    for dim in (*DIMS, "edp", "node"):
         elapsed, problem = _check_group(ctx, dim)
         slowest = ctx.comms.world.allreduce(elapsed, op=MPI.MAX)
         failed = ctx.comms.world.allgather(problem)
         bad = [f"rank {r}: {p}" for r, p in enumerate(failed) if p]
         problems += bad
-        size = ctx.comms.group(dim).size if dim != "node" else ctx.comms.node.size
+        size = _comm_and_members(ctx, dim)[0].size
         ctx.log(
             f"check {dim:<4} size={size:<4} allgather+allreduce+ring "
             f"{'OK' if not bad else 'FAILED'} ({slowest * 1e6:.0f} us)"

@@ -136,3 +136,13 @@ def test_coords_out_of_range_rejected():
         m.coords(4)
     with pytest.raises(TopologyError):
         m.rank({"pp": 2, "dp": 0})
+
+
+def test_expert_data_groups_partition_each_dp_group():
+    for world, pp, dp, ep in shapes():
+        m = RankMap.build(world, 2, pp=pp, dp=dp, ep=ep)
+        for r in range(world):
+            g = m.expert_data_group(r)
+            assert len(g) == dp // ep and r in g
+            assert set(g) <= set(m.group(r, "dp"))
+            assert {m.coords(x)["ep"] for x in g} == {m.coords(r)["ep"]}

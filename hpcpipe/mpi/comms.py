@@ -84,6 +84,11 @@ class Comms:
         except KeyError:
             raise KeyError(f"unknown dim {dim!r}; dims are {', '.join(DIMS)}") from None
 
+    @property
+    def expert_dp(self) -> MPI.Comm:
+        """Ranks holding replicas of this rank's experts (same pp and ep coordinates)."""
+        return self._groups["edp"]
+
     def free(self) -> None:
         for comm in self._groups.values():
             comm.Free()
@@ -104,4 +109,5 @@ def build_comms(
         colour = rankmap.group_index(world.rank, dim)
         key = coords["pp"] if dim == "pp" else coords["dp"] if dim == "dp" else coords["ep"]
         groups[dim] = world.Split(colour, key)
+    groups["edp"] = world.Split(min(rankmap.expert_data_group(world.rank)), coords["dp"])
     return Comms(world=world, node=node_comm, node_info=node_info, rankmap=rankmap, _groups=groups)

@@ -1,0 +1,1 @@
+"""HDF5 outputs: checkpoints (`checkpoint`) and traces (`trace`); formats in docs/formats.md."""

@@ -1,0 +1,90 @@
+"""Data-parallel gradient reduction in buckets with nonblocking allreduce.
+
+Gradients of a stage live in one flat buffer (the per-parameter gradients are views into it),
+cut into buckets of about `bucket_bytes`. A stage's buckets are reduced with `Iallreduce` as soon
+as its last W has run, so the reduction overlaps the backward work left on other stages; the
+optimizer waits for all of them at the end of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpi4py import MPI
+
+from hpcpipe.backend import Backend
+
+__all__ = ["BucketedAllreduce", "FlatBuffer"]
+
+
+@dataclass
+class FlatBuffer:
+    """One contiguous array with named views, so a bucket is a slice and needs no packing."""
+
+    flat: Any
+    views: dict[Any, Any]
+    offsets: dict[Any, tuple[int, int]]
+
+    @classmethod
+    def like(cls, xp: Any, shapes: dict[Any, tuple[int, ...]], dtype: Any) -> FlatBuffer:
+        sizes = {k: int(_prod(s)) for k, s in shapes.items()}
+        flat = xp.zeros(sum(sizes.values()), dtype=dtype)
+        views, offsets, start = {}, {}, 0
+        for k, shape in shapes.items():
+            n = sizes[k]
+            views[k] = flat[start:start + n].reshape(shape)
+            offsets[k] = (start, start + n)
+            start += n
+        return cls(flat, views, offsets)
+
+    def zero(self) -> None:
+        self.flat[...] = 0
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@dataclass
+class BucketedAllreduce:
+    """Iallreduce (SUM) of flat buffers in buckets over a communicator; `wait` completes all."""
+
+    comm: MPI.Comm
+    backend: Backend
+    bucket_bytes: int = 4 << 20
+    _pending: list[tuple[MPI.Request, Any, Any]] = field(default_factory=list)
+    bytes_reduced: int = 0
+
+    def start(self, buffer: FlatBuffer, key: str = "") -> None:
+        """Begin reducing `buffer` in place; no-op on a communicator of one rank."""
+        if self.comm.size == 1:
+            return
+        flat = buffer.flat
+        per = max(1, self.bucket_bytes // flat.itemsize)
+        self.backend.synchronize()
+        for b, lo in enumerate(range(0, flat.size, per)):
+            chunk = flat[lo:lo + per]
+            if self.backend.on_gpu and not self.backend.cuda_aware:
+                host = self.backend.staging(chunk.nbytes, f"ar{key}.{b}")[: chunk.nbytes]
+                host = host.view(chunk.dtype)
+                chunk.get(out=host)
+                req = self.comm.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+                self._pending.append((req, chunk, host))
+            else:
+                req = self.comm.Iallreduce(MPI.IN_PLACE, chunk, op=MPI.SUM)
+                self._pending.append((req, chunk, chunk))
+            self.bytes_reduced += chunk.nbytes
+
+    def wait(self) -> None:
+        """Complete every started bucket (and copy staged ones back to the device)."""
+        if not self._pending:
+            return
+        MPI.Request.Waitall([r for r, _, _ in self._pending])
+        for _, chunk, host in self._pending:
+            if host is not chunk:
+                chunk.set(host)
+        self._pending.clear()
