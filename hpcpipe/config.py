@@ -169,7 +169,7 @@ class RunConfig:
         "which workload runs: topology check, train, or sweep",
         choices=("topology", "train", "sweep"),
     )
-    steps: int = option(1, "optimizer steps (train) or source iterations cap (sweep)", minimum=1)
+    steps: int = option(1, "optimizer steps (train); the sweep iterates to sweep.tolerance", minimum=1)
     seed: int = option(1234, "seed for every random stream (init, data, routing)", minimum=0)
     output: str = option("runs/default", "run directory: config.toml, metrics.h5, trace.h5, ...")
     log_every: int = option(1, "rank-0 progress line every N steps", minimum=1)

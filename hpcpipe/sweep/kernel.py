@@ -1,0 +1,270 @@
+"""The sweep kernel: one block of cells x one block of directions x all groups, by hyperplanes.
+
+Cells on a hyperplane I + J + K = h (I, J, K counted from the upwind corner) depend only on
+plane h - 1, so each plane is one vectorised update over (cells on the plane) x (directions) x
+(groups). Python loops over planes only. `xp` is the array module (NumPy, or CuPy on a GPU).
+
+Face arrays carry the angular flux between cells: `fx[j * bz + k]` holds the x-face flux of row
+(j, k) (incoming before a cell is solved, outgoing after), likewise `fy[i * bz + k]` and
+`fz[i * by + j]`. Each row has one cell per plane, so one array serves the whole block and ends
+holding the block's outgoing faces, which are exactly the messages for the downwind ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.sweep.mesh import Problem
+from hpcpipe.sweep.quadrature import OCTANTS, Quadrature
+
+__all__ = [
+    "AngleBlock",
+    "BlockOrder",
+    "angle_block",
+    "block_order",
+    "face_current",
+    "sweep_block",
+    "sweep_domain",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockOrder:
+    """The cells of a (bx, by, bz) block sorted by hyperplane for one octant.
+
+    `cells` indexes the rank's flat (bx, by, nz) arrays for a block starting at z = 0 (add the
+    block's first z to shift it); `offsets[h]:offsets[h + 1]` is plane h.
+    """
+
+    shape: tuple[int, int, int]
+    octant: int
+    cells: Any
+    fx: Any
+    fy: Any
+    fz: Any
+    offsets: tuple[int, ...]
+
+
+def block_order(xp: Any, shape: tuple[int, int, int], nz: int, octant: int) -> BlockOrder:
+    """Hyperplane order of a block for one octant; `nz` is the z extent of the flat arrays."""
+    bx, by, bz = shape
+    sx, sy, sz = OCTANTS[octant]
+    big_i, big_j, big_k = (a.ravel() for a in np.indices(shape))
+    sort = np.argsort(big_i + big_j + big_k, kind="stable")
+    big_i, big_j, big_k = big_i[sort], big_j[sort], big_k[sort]
+    i = big_i if sx > 0 else bx - 1 - big_i
+    j = big_j if sy > 0 else by - 1 - big_j
+    k = big_k if sz > 0 else bz - 1 - big_k
+    counts = np.bincount(big_i + big_j + big_k, minlength=bx + by + bz - 2)
+    offsets = tuple(int(v) for v in np.concatenate([[0], np.cumsum(counts)]))
+    return BlockOrder(
+        shape=shape,
+        octant=octant,
+        cells=xp.asarray((i * by + j) * nz + k),
+        fx=xp.asarray(j * bz + k),
+        fy=xp.asarray(i * bz + k),
+        fz=xp.asarray(i * by + j),
+        offsets=offsets,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class AngleBlock:
+    """Per-direction constants of one block of directions, shaped to broadcast over (P, A, G).
+
+    `cx` is 2|mu|/dx for diamond difference and |mu|/dx for step (likewise cy, cz); `wmu` etc.
+    are w|mu| for face currents.
+    """
+
+    weights: Any
+    cx: Any
+    cy: Any
+    cz: Any
+    total: Any
+    wmu: Any
+    weta: Any
+    wxi: Any
+
+    @property
+    def size(self) -> int:
+        return int(self.weights.shape[0])
+
+
+def angle_block(
+    xp: Any,
+    quad: Quadrature,
+    start: int,
+    stop: int,
+    spacing: tuple[float, float, float],
+    scheme: str,
+) -> AngleBlock:
+    """Constants for directions [start, stop) of an octant (the same in every octant)."""
+    dx, dy, dz = spacing
+    factor = 2.0 if scheme == "dd" else 1.0
+    mu, eta, xi = (a[start:stop] for a in (quad.mu, quad.eta, quad.xi))
+    w = quad.weights[start:stop]
+    cx, cy, cz = factor * mu / dx, factor * eta / dy, factor * xi / dz
+    col = lambda a: xp.asarray(a[:, None])  # noqa: E731
+    return AngleBlock(
+        xp.asarray(w),
+        col(cx),
+        col(cy),
+        col(cz),
+        col(cx + cy + cz),
+        xp.asarray(w * mu),
+        xp.asarray(w * eta),
+        xp.asarray(w * xi),
+    )
+
+
+def face_current(face: Any, wcos: Any) -> Any:
+    """Per-group particle current through a face array (nf, A, G), per unit face area."""
+    return (wcos @ face).sum(axis=0)
+
+
+def sweep_block(
+    xp: Any,
+    order: BlockOrder,
+    z0: int,
+    angles: AngleBlock,
+    q: Any,
+    sigma_t: Any,
+    phi: Any,
+    fx: Any,
+    fy: Any,
+    fz: Any,
+    scheme: str = "dd",
+    fixup: bool = True,
+) -> None:
+    """Solve one block for one angle block; updates `phi` and the face arrays in place.
+
+    `q` and `sigma_t` are (cells, G) over the rank's flat (bx, by, nz) arrays; `q` is the
+    isotropic source per unit angular weight (scattering + fixed). The arithmetic per cell and
+    direction does not depend on the blocking, so every decomposition gives the same psi.
+    """
+    cells = order.cells + z0 if z0 else order.cells
+    off = order.offsets
+    cx, cy, cz, total = angles.cx, angles.cy, angles.cz, angles.total
+    w = angles.weights
+    dd = scheme == "dd"
+    take = xp.take
+    for h in range(len(off) - 1):
+        s = slice(off[h], off[h + 1])
+        c, ix, iy, iz = cells[s], order.fx[s], order.fy[s], order.fz[s]
+        ax, ay, az = take(fx, ix, axis=0), take(fy, iy, axis=0), take(fz, iz, axis=0)
+        qc = take(q, c, axis=0)[:, None, :]
+        sig = take(sigma_t, c, axis=0)[:, None, :]
+        # psi = (q + cx ax + cy ay + cz az) / (sigma_t + cx + cy + cz), without temporaries
+        psi = cx * ax
+        psi += qc
+        tmp = cy * ay
+        psi += tmp
+        xp.multiply(cz, az, out=tmp)
+        psi += tmp
+        psi /= sig + total
+        if dd:
+            two = psi + psi
+            ox, oy, oz = two - ax, two - ay, two - az
+            if fixup:
+                _fixup(xp, psi, ox, oy, oz, ax, ay, az, qc, sig, cx, cy, cz)
+            fx[ix], fy[iy], fz[iz] = ox, oy, oz
+        else:
+            fx[ix], fy[iy], fz[iz] = psi, psi, psi
+        phi[c] += w @ psi
+
+
+def _fixup(
+    xp: Any,
+    psi: Any,
+    ox: Any,
+    oy: Any,
+    oz: Any,
+    ax: Any,
+    ay: Any,
+    az: Any,
+    q: Any,
+    st: Any,
+    cx: Any,
+    cy: Any,
+    cz: Any,
+) -> None:
+    """Negative-flux fix-up: zero each negative outgoing face and re-solve the cell balance.
+
+    With face d set to 0 the balance (|mu_d|/h_d)(out_d - in_d) loses its diamond relation, so
+    that face contributes (|mu_d|/h_d) in_d to the right side and nothing to the left. Repeats
+    until no face is negative (at most three rounds); works only on the offending elements.
+    """
+    neg = (ox < 0) | (oy < 0) | (oz < 0)
+    if not bool(neg.any()):
+        return
+    p, a, g = xp.nonzero(neg)
+    zero = xp.zeros(1, dtype=psi.dtype)
+    in_x, in_y, in_z = ax[p, a, g], ay[p, a, g], az[p, a, g]
+    kx, ky, kz = cx[a, 0], cy[a, 0], cz[a, 0]
+    src, sig = q[p, 0, g], st[p, 0, g]
+    out_x, out_y, out_z = ox[p, a, g], oy[p, a, g], oz[p, a, g]
+    fix_x = xp.zeros(p.shape, dtype=bool)
+    fix_y, fix_z = fix_x.copy(), fix_x.copy()
+    for _ in range(3):
+        fix_x |= out_x < 0
+        fix_y |= out_y < 0
+        fix_z |= out_z < 0
+        den = (
+            sig + xp.where(fix_x, zero, kx) + xp.where(fix_y, zero, ky) + xp.where(fix_z, zero, kz)
+        )
+        num = (
+            src
+            + xp.where(fix_x, 0.5 * kx, kx) * in_x
+            + xp.where(fix_y, 0.5 * ky, ky) * in_y
+            + xp.where(fix_z, 0.5 * kz, kz) * in_z
+        )
+        cell = num / den
+        out_x = xp.where(fix_x, zero, 2.0 * cell - in_x)
+        out_y = xp.where(fix_y, zero, 2.0 * cell - in_y)
+        out_z = xp.where(fix_z, zero, 2.0 * cell - in_z)
+        if not bool(((out_x < 0) | (out_y < 0) | (out_z < 0)).any()):
+            break
+    psi[p, a, g], ox[p, a, g], oy[p, a, g], oz[p, a, g] = cell, out_x, out_y, out_z
+
+
+def sweep_domain(xp: Any, problem: Problem, q: Any, sigma_t: Any) -> tuple[Any, Any, Any]:
+    """The serial reference: every octant over the whole mesh with all its directions at once.
+
+    Returns (phi (cells, G), outflow (G,), inflow (G,)), flows being particles per second
+    through the domain surface. The KBA executor must reproduce this to round-off.
+    """
+    mesh, quad = problem.mesh, problem.quadrature
+    nx, ny, nz = mesh.shape
+    dx, dy, dz = mesh.spacing
+    groups = problem.groups
+    angles = angle_block(xp, quad, 0, quad.per_octant, mesh.spacing, problem.scheme)
+    n = quad.per_octant
+    phi = xp.zeros((mesh.cells, groups))
+    outflow = xp.zeros(groups)
+    inflow = xp.zeros(groups)
+    inc = problem.incident
+    for octant in range(8):
+        sx, sy, sz = OCTANTS[octant]
+        order = block_order(xp, mesh.shape, nz, octant)
+        faces = []
+        for axis, (nf, s) in enumerate(((ny * nz, sx), (nx * nz, sy), (nx * ny, sz))):
+            value = inc[2 * axis + (0 if s > 0 else 1)]
+            faces.append(xp.asarray(np.broadcast_to(value, (nf, n, groups)).copy()))
+        fx, fy, fz = faces
+        inflow += (
+            face_current(fx, angles.wmu) * (dy * dz)
+            + face_current(fy, angles.weta) * (dx * dz)
+            + face_current(fz, angles.wxi) * (dx * dy)
+        )
+        sweep_block(
+            xp, order, 0, angles, q, sigma_t, phi, fx, fy, fz, problem.scheme, problem.fixup
+        )
+        outflow += (
+            face_current(fx, angles.wmu) * (dy * dz)
+            + face_current(fy, angles.weta) * (dx * dz)
+            + face_current(fz, angles.wxi) * (dx * dy)
+        )
+    return phi, outflow, inflow

@@ -1,0 +1,210 @@
+"""The KBA executor: walks one rank's task list from a SweepPlan, moving face fluxes with MPI.
+
+Receives are pre-posted a few tasks ahead; outgoing faces leave with nonblocking sends on a
+private duplicate of the communicator, tagged by task (x face `tag`, y face `tag + 1`), so no
+two messages of a sweep can match the wrong receive and no other traffic can interfere. Sweeps
+are separated by the solver's reductions, so tags may repeat from one sweep to the next.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcpipe.sweep.kernel import angle_block, block_order, face_current, sweep_block
+from hpcpipe.sweep.mesh import Problem
+from hpcpipe.sweep.plan import SweepPlan, SweepTask
+
+__all__ = ["KBASweeper", "SweepTiming"]
+
+
+@dataclass
+class SweepTiming:
+    """Where the last sweep's time went on this rank (seconds)."""
+
+    wall: float = 0.0
+    busy: float = 0.0
+    wait: float = 0.0
+
+
+class KBASweeper:
+    """One rank's share of a pipelined sweep: `sweep(q)` returns this rank's (phi, outflow, inflow).
+
+    The global reductions the solver needs (`allsum`, `allmax`) go through the same private
+    communicator, so the solver itself never touches MPI.
+    """
+
+    def __init__(
+        self,
+        problem: Problem,
+        plan: SweepPlan,
+        comm: MPI.Comm,
+        xp: Any = np,
+        recv_depth: int = 4,
+        device_buffers: bool = False,
+    ):
+        if comm.size != plan.ranks:
+            raise ValueError(
+                f"the plan is for {plan.px} x {plan.py} = {plan.ranks} ranks but "
+                f"the communicator has {comm.size}"
+            )
+        tag_ub = comm.Get_attr(MPI.TAG_UB)
+        if tag_ub is not None and plan.max_tag > tag_ub:
+            raise ValueError(
+                f"the plan needs message tags up to {plan.max_tag} but this MPI "
+                f"allows {tag_ub}: use larger z_block or angle_block"
+            )
+        self.comm = comm.Dup()
+        self.problem, self.plan, self.xp = problem, plan, xp
+        self.rank = self.comm.rank
+        self.ranks = self.comm.size
+        self.recv_depth = max(1, recv_depth)
+        self.staged = xp is not np and not device_buffers
+        self.timing = SweepTiming()
+        bx, by, nz = plan.local_shape
+        ix, iy = plan.coords(self.rank)
+        self.x_cells = slice(ix * bx, (ix + 1) * bx)
+        self.y_cells = slice(iy * by, (iy + 1) * by)
+        quad, mesh = problem.quadrature, problem.mesh
+        self._orders = {o: block_order(xp, (bx, by, plan.z_block), nz, o) for o in plan.octants}
+        self._angles = [
+            angle_block(xp, quad, *plan.angle_range(a), mesh.spacing, problem.scheme)
+            for a in range(plan.angle_blocks)
+        ]
+        dx, dy, dz = mesh.spacing
+        self._areas = (dy * dz, dx * dz, dx * dy)
+        self._face_cells = (by * plan.z_block, bx * plan.z_block, bx * by)
+
+    # ---------------------------------------------------------------- reductions for the solver
+    def allsum(self, values: np.ndarray) -> np.ndarray:
+        return self._allreduce(values, MPI.SUM)
+
+    def allmax(self, values: np.ndarray) -> np.ndarray:
+        return self._allreduce(values, MPI.MAX)
+
+    def _allreduce(self, values: np.ndarray, op: MPI.Op) -> np.ndarray:
+        send = np.ascontiguousarray(values, dtype=np.float64)
+        out = np.empty_like(send)
+        self.comm.Allreduce(send, out, op=op)
+        return out
+
+    def gather(self, local: np.ndarray) -> np.ndarray | None:
+        """Assemble a per-cell array (bx, by, nz, ...) into the global one on rank 0."""
+        local = np.ascontiguousarray(local)
+        out = np.empty((self.plan.ranks, *local.shape)) if self.rank == 0 else None
+        self.comm.Gather(local, out, root=0)
+        if out is None:
+            return None
+        bx, by, _ = self.plan.local_shape
+        full = np.empty((*self.problem.mesh.shape, *local.shape[3:]))
+        for r in range(self.plan.ranks):
+            ix, iy = self.plan.coords(r)
+            full[ix * bx : (ix + 1) * bx, iy * by : (iy + 1) * by] = out[r]
+        return full
+
+    # ---------------------------------------------------------------- the sweep
+    def _face_shape(self, axis: int, task: SweepTask) -> tuple[int, int, int]:
+        return (self._face_cells[axis], self._angles[task.angle_block].size, self.problem.groups)
+
+    def _boundary(self, axis: int, task: SweepTask) -> Any:
+        side = 0 if (task.octant >> axis) & 1 == 0 else 1  # +direction enters at the low face
+        value = self.problem.incident[2 * axis + side]
+        shape = self._face_shape(axis, task)
+        if not value.any():
+            return self.xp.zeros(shape)
+        return self.xp.asarray(np.broadcast_to(value, shape).copy())
+
+    def _post(self, task: SweepTask) -> list[tuple[Any, np.ndarray] | None]:
+        posted: list[tuple[Any, np.ndarray] | None] = []
+        for axis, peer in ((0, task.recv_x), (1, task.recv_y)):
+            if peer < 0:
+                posted.append(None)
+                continue
+            shape = self._face_shape(axis, task)
+            buf = np.empty(shape) if self.staged else self.xp.empty(shape)
+            posted.append((self.comm.Irecv(buf, source=peer, tag=task.tag + axis), buf))
+        return posted
+
+    def _send(self, face: Any, peer: int, tag: int, sends: list) -> None:
+        buf = self.xp.asnumpy(face) if self.staged else face
+        if self.xp is not np and not self.staged:
+            self.xp.cuda.get_current_stream().synchronize()
+        sends.append((self.comm.Isend(buf, dest=peer, tag=tag), buf))
+
+    def sweep(self, q: Any, sigma_t: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+        """All octants over this rank's block; `q`, `sigma_t` are (cells, G) on this rank."""
+        xp, plan, problem = self.xp, self.plan, self.problem
+        groups = problem.groups
+        tasks = plan.tasks[self.rank]
+        phi = xp.zeros((int(np.prod(plan.local_shape)), groups))
+        outflow = np.zeros(groups)
+        inflow = np.zeros(groups)
+        posted: dict[int, list] = {}
+        sends: list = []
+        busy = wait = 0.0
+        start = time.perf_counter()
+        for t in range(min(self.recv_depth, len(tasks))):
+            posted[t] = self._post(tasks[t])
+        fz = None
+        for t, task in enumerate(tasks):
+            if t + self.recv_depth < len(tasks):
+                posted[t + self.recv_depth] = self._post(tasks[t + self.recv_depth])
+            angles = self._angles[task.angle_block]
+            currents = (angles.wmu, angles.weta, angles.wxi)
+            faces = []
+            t0 = time.perf_counter()
+            for axis, got in enumerate(posted.pop(t)):
+                if got is None:
+                    face = self._boundary(axis, task)
+                    inflow += self._areas[axis] * _host(xp, face_current(face, currents[axis]))
+                else:
+                    got[0].Wait()
+                    face = xp.asarray(got[1]) if self.staged else got[1]
+                faces.append(face)
+            if task.z_block == 0:
+                fz = self._boundary(2, task)
+                inflow += self._areas[2] * _host(xp, face_current(fz, angles.wxi))
+            t1 = time.perf_counter()
+            z0, _ = plan.z_range(task.z_block, task.octant)
+            sweep_block(
+                xp,
+                self._orders[task.octant],
+                z0,
+                angles,
+                q,
+                sigma_t,
+                phi,
+                faces[0],
+                faces[1],
+                fz,
+                problem.scheme,
+                problem.fixup,
+            )
+            t2 = time.perf_counter()
+            wait += t1 - t0
+            busy += t2 - t1
+            for axis, peer in ((0, task.send_x), (1, task.send_y)):
+                if peer < 0:
+                    outflow += self._areas[axis] * _host(
+                        xp, face_current(faces[axis], currents[axis])
+                    )
+                else:
+                    self._send(faces[axis], peer, task.tag + axis, sends)
+            if task.z_block == plan.z_blocks - 1:
+                outflow += self._areas[2] * _host(xp, face_current(fz, angles.wxi))
+            if len(sends) > 8:
+                done = set(MPI.Request.Testsome([s[0] for s in sends]) or ())
+                sends = [s for i, s in enumerate(sends) if i not in done]
+        t0 = time.perf_counter()
+        MPI.Request.Waitall([s[0] for s in sends])
+        end = time.perf_counter()
+        self.timing = SweepTiming(wall=end - start, busy=busy, wait=wait + end - t0)
+        return phi, outflow, inflow
+
+
+def _host(xp: Any, value: Any) -> np.ndarray:
+    return value if xp is np else xp.asnumpy(value)
