@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from hpcpipe import __version__
 from hpcpipe.config import Config, ConfigError, dump_toml, load_config
 from hpcpipe.mpi.guard import EXIT_BAD_INPUT, abort_on_error, launcher_rank
-from hpcpipe.topology import RankMap, TopologyError
 
 __all__ = ["main", "register_command"]
 
@@ -67,6 +66,14 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
         help="print the resolved deck and the rank layout, then exit",
     )
     p.add_argument("--verbose", action="store_true", help="let every rank log, not just rank 0")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue from the latest complete checkpoint of run.output (or PATH)",
+    )
 
 
 def _execute_run(args: argparse.Namespace) -> int:
@@ -74,7 +81,7 @@ def _execute_run(args: argparse.Namespace) -> int:
     from hpcpipe.runtime import run_job
 
     return abort_on_error(
-        lambda: run_job(config, dry_run=args.dry_run, verbose=args.verbose),
+        lambda: run_job(config, dry_run=args.dry_run, verbose=args.verbose, resume=args.resume),
         bad_input=(ConfigError,),
     )
 
@@ -112,6 +119,8 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _execute_plan(args: argparse.Namespace) -> int:
+    from hpcpipe.topology import RankMap, TopologyError
+
     config = _load(args)
     topo = config.topology
     world = args.world
@@ -140,6 +149,9 @@ def _execute_plan(args: argparse.Namespace) -> int:
     print(rankmap.describe(max_rows=args.rows))
     for problem in rankmap.check_intra_node(topo.intra_node):
         print(f"WARNING: {problem}")
+    if config.run.workload == "sweep":
+        print()
+        print(_sweep_plan(config))
     pipeline = config.sections.get("pipeline")
     if pipeline is not None and (config.run.workload == "train" or args.png or args.compare):
         from hpcpipe.schedules.report import plan_report
@@ -147,6 +159,36 @@ def _execute_plan(args: argparse.Namespace) -> int:
         print()
         print(plan_report(pipeline, rankmap.pp, png=args.png, compare=args.compare))
     return 0
+
+
+def _sweep_plan(config: Config) -> str:
+    """The KBA decomposition and its predicted stage count and efficiency (no MPI)."""
+    from hpcpipe.sweep.mesh import build_problem
+    from hpcpipe.sweep.plan import PlanError, build_plan, simulate
+
+    cfg = config.sweep
+    problem = build_problem(cfg)
+    try:
+        plan = build_plan(
+            cfg.px,
+            cfg.py,
+            problem.mesh.shape,
+            problem.quadrature.per_octant,
+            cfg.z_block,
+            cfg.angle_block,
+            cfg.octant_order,
+        )
+        sim = simulate(plan)
+    except PlanError as exc:
+        raise ConfigError(config.source, "sweep", str(exc)) from None
+    return "\n".join(
+        [
+            plan.describe(),
+            f"predicted: {sim.stages} stages, parallel efficiency {sim.efficiency:.3f}",
+            "",
+            sim.grid(),
+        ]
+    )
 
 
 register_command("plan", "show the rank layout and pipeline schedule for a deck (no MPI)")(
@@ -190,7 +232,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _limit_blas_threads() -> None:
+    """Under an MPI launcher, give each rank its share of the node's cores for BLAS threads.
+
+    Several ranks per node each starting one BLAS thread per core oversubscribe the node and
+    slow everything down; this must happen before NumPy is imported. Explicit settings win.
+    """
+    import os
+
+    local = next(
+        (
+            os.environ[v]
+            for v in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+            if v in os.environ
+        ),
+        None,
+    )
+    if local is None or not local.isdigit() or int(local) < 1:
+        return
+    share = str(max(1, (os.cpu_count() or 1) // int(local)))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, share)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _limit_blas_threads()
     args = build_parser().parse_args(argv)
     try:
         return args.execute(args)

@@ -39,6 +39,8 @@ class RunContext:
     backend: Backend
     output: Path
     verbose: bool = False
+    resume: str | None = None
+    """None, "latest" (the run directory's latest checkpoint) or a checkpoint path."""
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -101,7 +103,9 @@ def _resolve_workload(name: str) -> Callable[[RunContext], Any]:
     return getattr(importlib.import_module(module), func)
 
 
-def run_job(config: Config, *, dry_run: bool = False, verbose: bool = False) -> int:
+def run_job(
+    config: Config, *, dry_run: bool = False, verbose: bool = False, resume: str | None = None
+) -> int:
     """Run `config`'s workload on the current MPI world; returns the exit code."""
     from mpi4py import MPI
 

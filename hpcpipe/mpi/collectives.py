@@ -33,7 +33,7 @@ class FlatBuffer:
         views, offsets, start = {}, {}, 0
         for k, shape in shapes.items():
             n = sizes[k]
-            views[k] = flat[start:start + n].reshape(shape)
+            views[k] = flat[start : start + n].reshape(shape)
             offsets[k] = (start, start + n)
             start += n
         return cls(flat, views, offsets)
@@ -67,7 +67,7 @@ class BucketedAllreduce:
         per = max(1, self.bucket_bytes // flat.itemsize)
         self.backend.synchronize()
         for b, lo in enumerate(range(0, flat.size, per)):
-            chunk = flat[lo:lo + per]
+            chunk = flat[lo : lo + per]
             if self.backend.on_gpu and not self.backend.cuda_aware:
                 host = self.backend.staging(chunk.nbytes, f"ar{key}.{b}")[: chunk.nbytes]
                 host = host.view(chunk.dtype)

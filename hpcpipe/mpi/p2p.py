@@ -25,9 +25,11 @@ def message_tag(stage: int, microbatch: int, direction: int, n_stages: int, tag_
     """Unique tag per (receiving stage, microbatch, direction); checked against MPI_TAG_UB."""
     tag = (microbatch * n_stages + stage) * 2 + direction
     if tag > tag_ub:
-        raise ValueError(f"message tag {tag} exceeds this MPI's MPI_TAG_UB = {tag_ub} "
-                         f"({n_stages} stages x microbatch {microbatch}); use fewer microbatches "
-                         "per step")
+        raise ValueError(
+            f"message tag {tag} exceeds this MPI's MPI_TAG_UB = {tag_ub} "
+            f"({n_stages} stages x microbatch {microbatch}); use fewer microbatches "
+            "per step"
+        )
     return tag
 
 
@@ -63,8 +65,9 @@ class Mailbox:
         if len(self._sends) >= 64:
             self._reap()
 
-    def post_recv(self, make: Callable[[], Any], peer: int, stage: int, microbatch: int,
-                  direction: int) -> None:
+    def post_recv(
+        self, make: Callable[[], Any], peer: int, stage: int, microbatch: int, direction: int
+    ) -> None:
         """Post a receive for (stage, microbatch, direction) into a fresh array from `make()`."""
         key = (stage, microbatch, direction)
         if key in self._recvs:
@@ -72,8 +75,9 @@ class Mailbox:
         tag = message_tag(stage, microbatch, direction, self.n_stages, self.tag_ub)
         array = make()
         buf = self.backend.mpi_recv_buffer(array, slot=f"recv{stage}.{microbatch}.{direction}")
-        self._recvs[key] = _Pending(self.comm.Irecv(buf, source=peer, tag=tag), array, buf,
-                                    array.nbytes)
+        self._recvs[key] = _Pending(
+            self.comm.Irecv(buf, source=peer, tag=tag), array, buf, array.nbytes
+        )
 
     def is_posted(self, stage: int, microbatch: int, direction: int) -> bool:
         return (stage, microbatch, direction) in self._recvs
@@ -95,6 +99,7 @@ class Mailbox:
             MPI.Request.Waitall([r for r, _ in self._sends])
             self._sends.clear()
         if self._recvs:
-            left = ", ".join(f"stage {s} mb {m} {'F' if d == FORWARD else 'B'}"
-                             for s, m, d in self._recvs)
+            left = ", ".join(
+                f"stage {s} mb {m} {'F' if d == FORWARD else 'B'}" for s, m, d in self._recvs
+            )
             raise RuntimeError(f"receives posted but never consumed: {left}")

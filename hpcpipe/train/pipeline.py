@@ -1,0 +1,262 @@
+"""The pipeline interpreter: executes one rank's lowered schedule for one optimizer step.
+
+Every action goes through one dispatch (`_run_action`); compute actions call the stage's F, B
+or W, communication actions move activations and gradients through the pre-posting `Mailbox`.
+Data-parallel gradient reduction of a stage starts as soon as its last W has run. An error
+names the rank, the step and the action, and shows where it was in the rank's action list.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcpipe.faults import maybe_fail
+from hpcpipe.model.models import Params
+from hpcpipe.model.stage import Stage
+from hpcpipe.mpi.collectives import BucketedAllreduce, FlatBuffer
+from hpcpipe.mpi.p2p import BACKWARD, FORWARD, Mailbox
+from hpcpipe.schedules.ir import Action, Kind, Schedule
+
+__all__ = ["PipelineRank", "StepResult"]
+
+
+@dataclass
+class StepResult:
+    """What one rank measured in one step (times in seconds, memory in bytes and microbatches)."""
+
+    loss_sum: float  # sum over this rank's last-stage microbatches of weight * loss
+    compute_time: float
+    step_time: float
+    peak_live_bytes: int
+    peak_live_units: float  # microbatches of one full stage (a chunk of v counts 1/v)
+    action_times: dict[str, float] = field(default_factory=dict)
+
+
+class ActionError(RuntimeError):
+    """An action failed; the message shows the rank's action list around it."""
+
+
+class PipelineRank:
+    """One pipeline rank: its stages, their parameters and gradient buffers, and the transport."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        stages: dict[int, Stage],
+        params: dict[int, Params],
+        *,
+        pp_comm: MPI.Comm,
+        dp_comm: MPI.Comm,
+        backend: Any,
+        act_shape: Sequence[int],
+        recv_lookahead: int = 8,
+        bucket_bytes: int = 4 << 20,
+        world_rank: int = 0,
+    ):
+        self.schedule = schedule
+        self.rank = rank
+        self.world_rank = world_rank
+        self.stages = stages
+        self.params = params
+        self.backend = backend
+        self.xp = backend.xp
+        self.act_shape = tuple(act_shape)
+        self.actions: tuple[Action, ...] = schedule.rank_actions(rank)
+        self.rank_of_stage = {s: r for r, ss in enumerate(schedule.stages_of_rank) for s in ss}
+        self.n_stages = len(self.rank_of_stage)
+        self.chunks_per_rank = len(schedule.stages_of_rank[rank])
+        self.mailbox = Mailbox(pp_comm, backend, self.n_stages)
+        self.reducer = BucketedAllreduce(dp_comm, backend, bucket_bytes)
+        self.lookahead = recv_lookahead
+        self.grads = {
+            s: FlatBuffer.like(
+                self.xp,
+                {(i, k): v.shape for i, p in params[s].items() for k, v in p.items()},
+                backend.dtype,
+            )
+            for s in stages
+        }
+        self.peak_units_overall = 0  # over every step, in chunks (stages) x microbatches
+        self._recv_positions = [
+            i for i, a in enumerate(self.actions) if a.kind in (Kind.RECV_F, Kind.RECV_B)
+        ]
+
+    # ------------------------------------------------------------------ one step
+
+    def step(
+        self, step: int, inputs: list[Any] | None, targets: list[Any] | None, loss_weight: float
+    ) -> StepResult:
+        """Run every action of this rank for one step. inputs/targets: per microbatch (or None)."""
+        for buf in self.grads.values():
+            buf.zero()
+        self._inputs: dict[tuple[int, int], Any] = {}  # (stage, mb) -> activation in
+        self._outputs: dict[tuple[int, int], Any] = {}  # (stage, mb) -> activation out
+        self._dgrad_in: dict[tuple[int, int], Any] = {}  # (stage, mb) -> dL/d(output)
+        self._dgrad_out: dict[tuple[int, int], Any] = {}  # (stage, mb) -> dL/d(input)
+        self._ctx: dict[tuple[int, int], Any] = {}
+        self._wctx: dict[tuple[int, int], Any] = {}
+        self._live_bytes = self._peak_bytes = 0
+        self._live_units = self._peak_units = 0
+        self._w_done = dict.fromkeys(self.stages, 0)
+        self._loss_sum = 0.0
+        self._batch = (inputs, targets, loss_weight)
+        self._m = self.schedule.num_microbatches
+        times: dict[str, float] = {}
+        compute = 0.0
+        next_recv = 0
+        t_step = time.perf_counter()
+        for pos, action in enumerate(self.actions):
+            # keep receives posted ahead, so senders never wait for this rank to catch up
+            while (
+                next_recv < len(self._recv_positions)
+                and self._recv_positions[next_recv] < pos + self.lookahead
+            ):
+                self._post(self.actions[self._recv_positions[next_recv]])
+                next_recv += 1
+            t0 = time.perf_counter()
+            try:
+                self._run_action(action, step)
+            except Exception as exc:
+                raise ActionError(self._where(step, pos, exc)) from exc
+            dt = time.perf_counter() - t0
+            name = action.kind.name
+            times[name] = times.get(name, 0.0) + dt
+            if action.kind in (Kind.F, Kind.B, Kind.W, Kind.BW):
+                compute += dt
+        self.mailbox.drain()
+        self.reducer.wait()
+        self.peak_units_overall = max(self.peak_units_overall, self._peak_units)
+        return StepResult(
+            self._loss_sum,
+            compute,
+            time.perf_counter() - t_step,
+            self._peak_bytes,
+            self._peak_units / self.chunks_per_rank,
+            times,
+        )
+
+    def _where(self, step: int, pos: int, exc: Exception) -> str:
+        lo, hi = max(0, pos - 6), min(len(self.actions), pos + 7)
+        shown = " ".join(
+            f">>{a}<<" if i == pos else str(a) for i, a in enumerate(self.actions[lo:hi], start=lo)
+        )
+        return (
+            f"step {step}, action {pos} ({self.actions[pos]}) of pipeline rank {self.rank}: "
+            f"{type(exc).__name__}: {exc}\n  actions: {'... ' if lo else ''}{shown}"
+            f"{' ...' if hi < len(self.actions) else ''}"
+        )
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _post(self, action: Action) -> None:
+        s, mb = action.stage, action.microbatch
+        if action.kind == Kind.RECV_F:
+            self.mailbox.post_recv(self._empty, self.rank_of_stage[s - 1], s, mb, FORWARD)
+        else:
+            self.mailbox.post_recv(self._empty, self.rank_of_stage[s + 1], s, mb, BACKWARD)
+
+    def _empty(self) -> Any:
+        return self.xp.empty(self.act_shape, dtype=self.backend.dtype)
+
+    def _run_action(self, action: Action, step: int) -> None:
+        s, kind, mb = action
+        key = (s, mb)
+        if kind == Kind.F:
+            self._forward(s, mb, step)
+        elif kind == Kind.B:
+            self._backward_input(s, mb)
+        elif kind == Kind.W:
+            self._backward_weight(s, mb)
+        elif kind == Kind.BW:
+            self._backward_input(s, mb)
+            self._backward_weight(s, mb)
+        elif kind == Kind.SEND_F:
+            self.mailbox.send(self._outputs.pop(key), self.rank_of_stage[s + 1], s + 1, mb, FORWARD)
+        elif kind == Kind.SEND_B:
+            self.mailbox.send(
+                self._dgrad_out.pop(key), self.rank_of_stage[s - 1], s - 1, mb, BACKWARD
+            )
+        elif kind == Kind.RECV_F:
+            if not self.mailbox.is_posted(s, mb, FORWARD):
+                self._post(action)
+            self._inputs[key] = self.mailbox.wait_recv(s, mb, FORWARD)
+        elif kind == Kind.RECV_B:
+            if not self.mailbox.is_posted(s, mb, BACKWARD):
+                self._post(action)
+            self._dgrad_in[key] = self.mailbox.wait_recv(s, mb, BACKWARD)
+        else:
+            raise ValueError(f"unknown action kind {kind!r}")
+
+    def _forward(self, s: int, mb: int, step: int) -> None:
+        stage = self.stages[s]
+        inputs, targets, _ = self._batch
+        x = inputs[mb] if stage.is_first else self._inputs.pop((s, mb))
+        maybe_fail(f"forward:{step}", self.world_rank)
+        y, ctx = stage.forward(self.params[s], x, targets[mb] if stage.is_last else None)
+        self._ctx[(s, mb)] = ctx
+        self._track(+Stage.activation_bytes(ctx), +1)
+        if stage.is_last:
+            self._loss_sum += self._batch[2] * float(y)
+        elif self.rank_of_stage[s + 1] == self.rank:
+            self._inputs[(s + 1, mb)] = y  # next stage is on this rank (V turn): no message
+        else:
+            self._outputs[(s, mb)] = y
+
+    def _backward_input(self, s: int, mb: int) -> None:
+        stage = self.stages[s]
+        dy = self._batch[2] if stage.is_last else self._dgrad_in.pop((s, mb))
+        ctx = self._ctx.pop((s, mb))
+        before = Stage.activation_bytes(ctx)
+        dx, wctx = stage.backward_input(self.params[s], ctx, dy)
+        self._wctx[(s, mb)] = wctx
+        self._track(Stage.activation_bytes(wctx) - before, 0)
+        if dx is None:
+            return
+        if self.rank_of_stage[s - 1] == self.rank:
+            self._dgrad_in[(s - 1, mb)] = dx
+        else:
+            self._dgrad_out[(s, mb)] = dx
+
+    def _backward_weight(self, s: int, mb: int) -> None:
+        wctx = self._wctx.pop((s, mb))
+        grads = self.stages[s].backward_weight(self.params[s], wctx)
+        views = self.grads[s].views
+        for i, g in grads.items():
+            for k, v in g.items():
+                views[(i, k)] += v
+        self._track(-Stage.activation_bytes(wctx), -1)
+        self._w_done[s] += 1
+        if self._w_done[s] == self._m:
+            self.reducer.start(self.grads[s], key=str(s))  # overlaps the remaining backward
+
+    def _track(self, dbytes: int, dunits: int) -> None:
+        self._live_bytes += dbytes
+        self._live_units += dunits
+        self._peak_bytes = max(self._peak_bytes, self._live_bytes)
+        self._peak_units = max(self._peak_units, self._live_units)
+
+    # ------------------------------------------------------------------ results
+
+    def grads_tree(self, s: int) -> Params:
+        """The (reduced) gradients of stage `s`, keyed like its parameters."""
+        out: dict[int, dict[str, Any]] = {}
+        for (i, k), v in self.grads[s].views.items():
+            out.setdefault(i, {})[k] = v
+        return out
+
+    def local_sq_norm(self) -> float:
+        return float(
+            sum(
+                float((buf.flat.astype(np.float64) ** 2).sum())
+                if not self.backend.on_gpu
+                else float(self.xp.sum(buf.flat.astype(self.xp.float64) ** 2))
+                for buf in self.grads.values()
+            )
+        )

@@ -1,0 +1,336 @@
+"""The `train` workload: pipeline x data parallel training, reading top to bottom.
+
+build schedule -> partition the model into its stages -> for each step: shard the batch, run the
+rank's actions, reduce gradients over dp (already started during backward), clip over pp, update.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcpipe.config import ConfigError, dump_toml
+from hpcpipe.model.models import boundary_shape, build_model, partition
+from hpcpipe.model.stage import Stage
+from hpcpipe.runtime import RunContext
+from hpcpipe.train.data import build_dataset
+from hpcpipe.train.optim import apply_update, clip_scale, init_state, learning_rate
+from hpcpipe.train.pipeline import PipelineRank, StepResult
+
+__all__ = ["run"]
+
+METRICS_FORMAT = ("hpcpipe-metrics", 1)
+
+
+def _schedule(ctx: RunContext):
+    """The deck's schedule and its validated, lowered form (the one the interpreter runs)."""
+    from hpcpipe.schedules import ScheduleError, validate
+    from hpcpipe.schedules.report import load_schedule
+
+    schedule = load_schedule(ctx.config.pipeline, ctx.rankmap.pp)
+    try:
+        return schedule, validate(schedule)
+    except ScheduleError as exc:
+        raise ConfigError(
+            ctx.config.source,
+            "pipeline.schedule",
+            f"= {ctx.config.pipeline.schedule!r} cannot run: {exc}",
+        ) from None
+
+
+def _check_batch(ctx: RunContext, m: int) -> int:
+    """Rows per microbatch; the global batch must split evenly over dp and microbatches."""
+    rows = ctx.config.data.global_batch
+    dp = ctx.rankmap.dp
+    if rows % (dp * m):
+        raise ConfigError(
+            ctx.config.source,
+            "data.global_batch",
+            f"= {rows} must be divisible by dp * pipeline.microbatches = {dp} * {m} = {dp * m}",
+        )
+    return rows // (dp * m)
+
+
+def _stage_ranges(ctx: RunContext, n_units: int, n_stages: int, units) -> list[range]:
+    train = ctx.config.train
+    if train.stage_units:
+        if len(train.stage_units) != n_stages or sum(train.stage_units) != n_units:
+            raise ConfigError(
+                ctx.config.source,
+                "train.stage_units",
+                f"= {list(train.stage_units)} must list {n_stages} stage sizes "
+                f"summing to the model's {n_units} units",
+            )
+        return partition(units, n_stages, by=list(train.stage_units))
+    if n_stages > n_units:
+        raise ConfigError(
+            ctx.config.source,
+            "model.layers",
+            f"= {ctx.config.model.layers} gives {n_units} pipeline units, fewer "
+            f"than the schedule's {n_stages} stages; add layers or lower pp / v",
+        )
+    return partition(units, n_stages, by=train.partition)
+
+
+def run(ctx: RunContext) -> None:
+    cfg = ctx.config
+    xp, dtype = ctx.xp, ctx.backend.dtype
+    pp_comm, dp_comm = ctx.comms.group("pp"), ctx.comms.group("dp")
+    coords = ctx.rankmap.coords(ctx.rank)
+    schedule, lowered = _schedule(ctx)
+    m = schedule.num_microbatches
+    rows_mb = _check_batch(ctx, m)
+
+    units = build_model(cfg.model)
+    ranges = _stage_ranges(ctx, len(units), schedule.num_stages, units)
+    mine = schedule.stages_of_rank[coords["pp"]]
+    stages = {s: Stage(units, ranges[s]) for s in mine}
+    params = {s: stages[s].init(cfg.run.seed, xp, dtype) for s in mine}
+    opt_state = {s: init_state(cfg.optim, params[s]) for s in mine}
+    dataset = build_dataset(cfg.data, cfg.model, cfg.run.seed, source=cfg.source)
+    runner = PipelineRank(
+        lowered,
+        coords["pp"],
+        stages,
+        params,
+        pp_comm=pp_comm,
+        dp_comm=dp_comm,
+        backend=ctx.backend,
+        act_shape=boundary_shape(cfg.model, rows_mb),
+        recv_lookahead=cfg.train.recv_lookahead,
+        bucket_bytes=int(cfg.train.bucket_mb * 2**20),
+        world_rank=ctx.rank,
+    )
+    ctx.log(
+        f"train: model={cfg.model.kind} units={len(units)} schedule={schedule.name} "
+        f"stages={schedule.num_stages} microbatches={m} rows/mb={rows_mb} "
+        f"stage_units={[len(r) for r in ranges]}"
+        + (f" optimal_loss={dataset.optimal_loss:.4f}" if dataset.optimal_loss else "")
+    )
+
+    needs_data = any(stages[s].is_first or stages[s].is_last for s in mine)
+    tokens = cfg.data.global_batch * cfg.model.seq_len
+    weight = rows_mb / cfg.data.global_batch  # each microbatch's share of the global mean loss
+    history: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "loss",
+            "grad_norm",
+            "lr",
+            "step_time",
+            "tokens_per_s",
+            "bubble",
+            "peak_bytes",
+            "peak_microbatches",
+        )
+    }
+    steps = cfg.run.steps
+    for step in range(steps):
+        t0 = time.perf_counter()
+        inputs = targets = None
+        if needs_data:
+            x, t = dataset.shard(step, coords["dp"], ctx.rankmap.dp)
+            inputs = [xp.asarray(x[k * rows_mb : (k + 1) * rows_mb]) for k in range(m)]
+            targets = [xp.asarray(t[k * rows_mb : (k + 1) * rows_mb]) for k in range(m)]
+        result = runner.step(step, inputs, targets, weight)
+        loss, sq_norm = _reduce_scalars(ctx, runner, result)
+        if not (math.isfinite(loss) and math.isfinite(sq_norm)):
+            _report_non_finite(ctx, runner, step, loss, sq_norm)
+        lr = learning_rate(cfg.optim, step, steps)
+        scale = clip_scale(sq_norm, cfg.optim.grad_clip)
+        for s in mine:
+            params[s], opt_state[s] = apply_update(
+                cfg.optim, params[s], runner.grads_tree(s), opt_state[s], lr, grad_scale=scale
+            )
+        runner.params = params
+        ctx.backend.synchronize()
+        dt = time.perf_counter() - t0
+        bubble, peak_bytes, peak_units = _step_figures(ctx, result, dt)
+        for key, value in (
+            ("loss", loss),
+            ("grad_norm", math.sqrt(sq_norm)),
+            ("lr", lr),
+            ("step_time", dt),
+            ("tokens_per_s", tokens / dt),
+            ("bubble", bubble),
+            ("peak_bytes", peak_bytes),
+            ("peak_microbatches", peak_units),
+        ):
+            history[key].append(float(value))
+        if step % cfg.run.log_every == 0 or step == steps - 1:
+            ctx.log(
+                f"step {step + 1}/{steps} loss={loss:.4f} tok/s={tokens / dt:.0f} "
+                f"bubble={bubble * 100:.1f}% mem={peak_bytes / 2**20:.2f}MiB "
+                f"live_mb={peak_units:g} gnorm={math.sqrt(sq_norm):.3f}"
+            )
+
+    _report_activation_memory(ctx, schedule, runner, history)
+    final = _gather_params(ctx, params, coords)
+    if ctx.rank == 0:
+        _write_metrics(ctx.output / "metrics.h5", history, cfg)
+        if cfg.train.save_params:
+            _write_params(ctx.output / "params.h5", final)
+    if cfg.train.verify and ctx.rank == 0:
+        _verify(ctx, history["loss"], final, m)
+    ctx.comms.world.Barrier()
+
+
+def _reduce_scalars(
+    ctx: RunContext, runner: PipelineRank, result: StepResult
+) -> tuple[float, float]:
+    """Global mean loss (last-stage ranks hold it) and the global squared gradient norm."""
+    coords = ctx.rankmap.coords(ctx.rank)
+    # loss: only last-stage ranks hold a part (one per dp replica); norm: the stages of replica
+    # dp = 0 (after the dp allreduce every replica holds identical gradients)
+    local = np.array([result.loss_sum, runner.local_sq_norm() if coords["dp"] == 0 else 0.0])
+    total = np.zeros(2)
+    ctx.comms.world.Allreduce(local, total, op=MPI.SUM)
+    return float(total[0]), float(total[1])
+
+
+def _report_non_finite(
+    ctx: RunContext, runner: PipelineRank, step: int, loss: float, sq_norm: float
+) -> None:
+    coords = ctx.rankmap.coords(ctx.rank)
+    bad = [
+        s
+        for s in runner.stages
+        if not math.isfinite(float(ctx.xp.sum(runner.grads[s].flat.astype(ctx.xp.float64))))
+    ]
+    everyone = ctx.comms.world.allgather((coords["pp"], bad))
+    stages = sorted({s for _, ss in everyone for s in ss})
+    raise FloatingPointError(
+        f"step {step}: loss = {loss}, gradient norm^2 = {sq_norm} (not finite); non-finite "
+        f"gradients on stage(s) {stages or 'none (loss only)'}; lower optim.lr or set "
+        "optim.grad_clip"
+    )
+
+
+def _step_figures(ctx: RunContext, result: StepResult, dt: float) -> tuple[float, int, float]:
+    """Measured bubble (1 - mean compute / step time over ranks), peak memory over ranks."""
+    local = np.array([result.compute_time, result.peak_live_bytes, result.peak_live_units])
+    total = np.zeros(3)
+    peaks = np.zeros(3)
+    ctx.comms.world.Allreduce(local, total, op=MPI.SUM)
+    ctx.comms.world.Allreduce(local, peaks, op=MPI.MAX)
+    mean_compute = total[0] / ctx.size
+    return max(0.0, 1.0 - mean_compute / dt), int(peaks[1]), float(peaks[2])
+
+
+def _report_activation_memory(
+    ctx: RunContext, schedule, runner: PipelineRank, history: dict[str, list[float]]
+) -> None:
+    """Measured peak live activations per pipeline rank next to the simulator's prediction.
+
+    Memory on a rank depends only on its own action order (F allocates, W frees), so the
+    prediction is exact and any difference is a runtime bug: it is reported, and tests fail.
+    """
+    from hpcpipe.schedules import CostModel, simulate
+
+    coords = ctx.rankmap.coords(ctx.rank)
+    chunks = len(schedule.stages_of_rank[coords["pp"]])
+    measured = runner.peak_units_overall / chunks
+    per_rank = ctx.comms.group("pp").allgather(measured)
+    if ctx.rank != 0:
+        return
+    predicted = simulate(schedule, CostModel(activation=1.0 / chunks)).peak_memory
+    ok = np.allclose(per_rank, predicted, rtol=0, atol=1e-9)
+    fmt = ", ".join
+    ctx.log(
+        f"activations: peak live microbatches per pipeline rank measured "
+        f"[{fmt(f'{x:g}' for x in per_rank)}] predicted [{fmt(f'{x:g}' for x in predicted)}] "
+        f"{'match' if ok else 'MISMATCH'}"
+    )
+
+
+def _gather_params(
+    ctx: RunContext, params: dict[int, Any], coords: dict[str, int]
+) -> dict[int, dict[str, np.ndarray]] | None:
+    """Every parameter on rank 0, from the replica dp = 0 (replicas are identical)."""
+    mine = None
+    if coords["dp"] == 0:
+        mine = {
+            i: {k: ctx.backend.to_host(v) for k, v in p.items()}
+            for s in params
+            for i, p in params[s].items()
+        }
+    parts = ctx.comms.world.gather(mine, root=0)
+    if ctx.rank != 0:
+        return None
+    merged: dict[int, dict[str, np.ndarray]] = {}
+    for part in parts:
+        if part:
+            merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def _write_metrics(path: Path, history: dict[str, list[float]], cfg) -> None:
+    import h5py
+
+    tmp = path.with_suffix(".h5.tmp")
+    with h5py.File(tmp, "w") as f:
+        f.attrs["format"], f.attrs["version"] = METRICS_FORMAT
+        f.attrs["config"] = dump_toml(cfg)
+        f.create_dataset("step", data=np.arange(1, len(history["loss"]) + 1))
+        for key, values in history.items():
+            f.create_dataset(key, data=np.asarray(values))
+    tmp.replace(path)
+
+
+def _write_params(path: Path, params: dict[int, dict[str, np.ndarray]]) -> None:
+    import h5py
+
+    tmp = path.with_suffix(".h5.tmp")
+    with h5py.File(tmp, "w") as f:
+        for i, p in params.items():
+            for k, v in p.items():
+                f.create_dataset(f"unit{i:04d}/{k}", data=v)
+    tmp.replace(path)
+
+
+def _verify(
+    ctx: RunContext, losses: list[float], params: dict[int, dict[str, np.ndarray]], m: int
+) -> None:
+    """Rerun with the single-process reference and compare: the oracle of every layout."""
+    from hpcpipe.train.reference import train_reference
+
+    cfg = ctx.config
+    rtol = cfg.train.verify_rtol or (1e-10 if cfg.device.dtype == "float64" else 1e-5)
+    ref = train_reference(
+        cfg.model,
+        cfg.data,
+        cfg.optim,
+        steps=cfg.run.steps,
+        seed=cfg.run.seed,
+        microbatches=m * ctx.rankmap.dp,
+        dtype=cfg.device.dtype,
+    )
+    worst_loss = max(
+        abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref.losses, strict=True)
+    )
+    worst, where = 0.0, ""
+    for i, p in ref.params.items():
+        for k, expected in p.items():
+            got = params[i][k]
+            rel = float(
+                np.linalg.norm(got.astype(np.float64) - expected)
+                / max(np.linalg.norm(expected), 1e-300)
+            )
+            if rel > worst:
+                worst, where = rel, f"unit {i} {k}"
+    verdict = "OK" if worst <= rtol and worst_loss <= rtol else "FAILED"
+    ctx.log(
+        f"verify {verdict}: {sum(len(p) for p in params.values())} tensors vs the "
+        f"single-process reference, max_rel_param={worst:.3e} ({where}) "
+        f"max_rel_loss={worst_loss:.3e} rtol={rtol:g}"
+    )
+    if verdict != "OK":
+        raise RuntimeError(
+            f"verify failed: parameters differ from the reference by {worst:.3e} "
+            f"(at {where}), losses by {worst_loss:.3e}; tolerance {rtol:g}"
+        )
