@@ -8,7 +8,6 @@ names the rank, the step and the action, and shows where it was in the rank's ac
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpipe.faults import maybe_fail
+from hpcpipe.io.trace import EventKind, Recorder, action_peers, world_ranks
 from hpcpipe.model.models import Params
 from hpcpipe.model.stage import Stage
 from hpcpipe.mpi.collectives import BucketedAllreduce, FlatBuffer
@@ -35,7 +35,8 @@ class StepResult:
     step_time: float
     peak_live_bytes: int
     peak_live_units: float  # microbatches of one full stage (a chunk of v counts 1/v)
-    action_times: dict[str, float] = field(default_factory=dict)
+    action_times: dict[tuple[str, int], float] = field(default_factory=dict)
+    """Total seconds per (action kind name, stage) in this step."""
 
 
 class ActionError(RuntimeError):
@@ -59,6 +60,7 @@ class PipelineRank:
         recv_lookahead: int = 8,
         bucket_bytes: int = 4 << 20,
         world_rank: int = 0,
+        recorder: Recorder | None = None,
     ):
         self.schedule = schedule
         self.rank = rank
@@ -84,6 +86,11 @@ class PipelineRank:
             for s in stages
         }
         self.peak_units_overall = 0  # over every step, in chunks (stages) x microbatches
+        self.rec = recorder if recorder is not None else Recorder(rank, enabled=False)
+        if self.rec.enabled:  # peers and sizes per action, so the hook only indexes
+            self._peers = action_peers(schedule, rank, world_ranks(pp_comm)).tolist()
+            nbytes = int(np.prod(self.act_shape)) * np.dtype(backend.dtype).itemsize
+            self._nbytes = [nbytes if p >= 0 else 0 for p in self._peers]
         self._recv_positions = [
             i for i, a in enumerate(self.actions) if a.kind in (Kind.RECV_F, Kind.RECV_B)
         ]
@@ -105,13 +112,15 @@ class PipelineRank:
         self._live_bytes = self._peak_bytes = 0
         self._live_units = self._peak_units = 0
         self._w_done = dict.fromkeys(self.stages, 0)
+        self._reduce_started: dict[int, tuple[int, int]] = {}
         self._loss_sum = 0.0
         self._batch = (inputs, targets, loss_weight)
         self._m = self.schedule.num_microbatches
-        times: dict[str, float] = {}
-        compute = 0.0
+        times: dict[tuple[str, int], float] = {}
+        compute = 0
         next_recv = 0
-        t_step = time.perf_counter()
+        rec, now = self.rec, self.rec.now
+        t_step = now()
         for pos, action in enumerate(self.actions):
             # keep receives posted ahead, so senders never wait for this rank to catch up
             while (
@@ -120,23 +129,39 @@ class PipelineRank:
             ):
                 self._post(self.actions[self._recv_positions[next_recv]])
                 next_recv += 1
-            t0 = time.perf_counter()
+            t0 = now()
             try:
                 self._run_action(action, step)
             except Exception as exc:
                 raise ActionError(self._where(step, pos, exc)) from exc
-            dt = time.perf_counter() - t0
-            name = action.kind.name
-            times[name] = times.get(name, 0.0) + dt
+            t1 = now()
+            if rec.enabled:
+                rec.record(
+                    action.kind,
+                    action.stage,
+                    action.microbatch,
+                    t0,
+                    t1,
+                    self._nbytes[pos],
+                    self._peers[pos],
+                )
+            key = (action.kind.name, action.stage)
+            times[key] = times.get(key, 0.0) + (t1 - t0) * 1e-9
             if action.kind in (Kind.F, Kind.B, Kind.W, Kind.BW):
-                compute += dt
+                compute += t1 - t0
+        t0 = now()
         self.mailbox.drain()
         self.reducer.wait()
+        t1 = now()
+        if rec.enabled:
+            rec.record(EventKind.WAIT, -1, -1, t0, t1)
+            for s, (t_start, nbytes) in self._reduce_started.items():
+                rec.record(EventKind.ALLREDUCE, s, -1, t_start, t1, nbytes)
         self.peak_units_overall = max(self.peak_units_overall, self._peak_units)
         return StepResult(
             self._loss_sum,
-            compute,
-            time.perf_counter() - t_step,
+            compute * 1e-9,
+            (t1 - t_step) * 1e-9,
             self._peak_bytes,
             self._peak_units / self.chunks_per_rank,
             times,
@@ -234,6 +259,8 @@ class PipelineRank:
         self._track(-Stage.activation_bytes(wctx), -1)
         self._w_done[s] += 1
         if self._w_done[s] == self._m:
+            if self.reducer.comm.size > 1:
+                self._reduce_started[s] = (self.rec.now(), int(self.grads[s].flat.nbytes))
             self.reducer.start(self.grads[s], key=str(s))  # overlaps the remaining backward
 
     def _track(self, dbytes: int, dunits: int) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpipe.config import ConfigError, dump_toml
+from hpcpipe.io.trace import EventKind, write_trace
 from hpcpipe.model.models import boundary_shape, build_model, partition
 from hpcpipe.model.stage import Stage
 from hpcpipe.runtime import RunContext
@@ -93,6 +94,9 @@ def run(ctx: RunContext) -> None:
     params = {s: stages[s].init(cfg.run.seed, xp, dtype) for s in mine}
     opt_state = {s: init_state(cfg.optim, params[s]) for s in mine}
     dataset = build_dataset(cfg.data, cfg.model, cfg.run.seed, source=cfg.source)
+    rec = cfg.trace.recorder(ctx.rank)
+    if rec.enabled:
+        rec.align_clock(ctx.comms.world)
     runner = PipelineRank(
         lowered,
         coords["pp"],
@@ -105,6 +109,7 @@ def run(ctx: RunContext) -> None:
         recv_lookahead=cfg.train.recv_lookahead,
         bucket_bytes=int(cfg.train.bucket_mb * 2**20),
         world_rank=ctx.rank,
+        recorder=rec,
     )
     ctx.log(
         f"train: model={cfg.model.kind} units={len(units)} schedule={schedule.name} "
@@ -130,25 +135,38 @@ def run(ctx: RunContext) -> None:
         )
     }
     steps = cfg.run.steps
+    action_log: list[dict[tuple[str, int], float]] = []
+    pipe_times: list[float] = []
     for step in range(steps):
         t0 = time.perf_counter()
+        rec.begin_step(step)
+        t_step = rec.now()
         inputs = targets = None
         if needs_data:
             x, t = dataset.shard(step, coords["dp"], ctx.rankmap.dp)
             inputs = [xp.asarray(x[k * rows_mb : (k + 1) * rows_mb]) for k in range(m)]
             targets = [xp.asarray(t[k * rows_mb : (k + 1) * rows_mb]) for k in range(m)]
         result = runner.step(step, inputs, targets, weight)
+        if step > 0 or steps == 1:  # step 0 pays for first-touch allocations: warm-up
+            action_log.append(result.action_times)
+            pipe_times.append(result.step_time)
         loss, sq_norm = _reduce_scalars(ctx, runner, result)
         if not (math.isfinite(loss) and math.isfinite(sq_norm)):
             _report_non_finite(ctx, runner, step, loss, sq_norm)
         lr = learning_rate(cfg.optim, step, steps)
         scale = clip_scale(sq_norm, cfg.optim.grad_clip)
+        t_opt = rec.now()
         for s in mine:
             params[s], opt_state[s] = apply_update(
                 cfg.optim, params[s], runner.grads_tree(s), opt_state[s], lr, grad_scale=scale
             )
         runner.params = params
         ctx.backend.synchronize()
+        if rec.enabled:
+            rec.record(EventKind.OPTIMIZER, -1, -1, t_opt, rec.now())
+            rec.record(
+                EventKind.STEP, -1, -1, t_step, rec.now(), result.peak_live_bytes, value=loss
+            )
         dt = time.perf_counter() - t0
         bubble, peak_bytes, peak_units = _step_figures(ctx, result, dt)
         for key, value in (
@@ -169,10 +187,22 @@ def run(ctx: RunContext) -> None:
                 f"live_mb={peak_units:g} gnorm={math.sqrt(sq_norm):.3f}"
             )
 
+    if rec.enabled:
+        path = cfg.trace.resolve_path(ctx.output)
+        write_trace(
+            ctx.comms.world,
+            path,
+            rec,
+            {"config": cfg, "topology": ctx.rankmap, "schedule": lowered, "workload": "train"},
+        )
+        ctx.log(f"trace: {path} ({len(rec.events)} events on rank 0); hpcpipe trace summary {path}")
     _report_activation_memory(ctx, schedule, runner, history)
+    timing = _report_timing(
+        ctx, schedule, action_log, pipe_times, history["step_time"][1:] or history["step_time"]
+    )
     final = _gather_params(ctx, params, coords)
     if ctx.rank == 0:
-        _write_metrics(ctx.output / "metrics.h5", history, cfg)
+        _write_metrics(ctx.output / "metrics.h5", history, cfg, timing)
         if cfg.train.save_params:
             _write_params(ctx.output / "params.h5", final)
     if cfg.train.verify and ctx.rank == 0:
@@ -248,6 +278,62 @@ def _report_activation_memory(
     )
 
 
+def _report_timing(
+    ctx: RunContext,
+    schedule,
+    action_log: list[dict[tuple[str, int], float]],
+    pipe_times: list[float],
+    step_times: list[float],
+) -> dict[str, Any] | None:
+    """Measured step time vs the simulator fed with the measured per-stage action costs.
+
+    The ratio is what the runtime (messages, waits, Python) adds beyond the plan's critical
+    path of compute; it is the figure `benchmarks/pipeline_step.py` reports.
+    """
+    from hpcpipe.schedules import CostModel, simulate
+
+    m = schedule.num_microbatches
+    mine: dict[tuple[str, int], float] = {}
+    for key in {k for entry in action_log for k in entry}:
+        if key[0] in ("F", "B", "W", "BW"):
+            mine[key] = float(np.median([entry.get(key, 0.0) for entry in action_log])) / m
+    parts = ctx.comms.group("pp").gather(mine, root=0)
+    pipe = float(np.median(pipe_times)) if pipe_times else 0.0
+    if ctx.rank != 0:
+        return None
+    costs: dict[tuple[str, int], float] = {}
+    for part in parts:
+        costs.update(part)
+    n = schedule.num_stages
+
+    def per_stage(kind: str) -> np.ndarray:
+        return np.array([costs.get((kind, st), np.nan) for st in range(n)])
+
+    t_f, t_b, t_w, t_bw = (per_stage(k) for k in ("F", "B", "W", "BW"))
+    split = ~np.isnan(t_b)
+    t_bw = np.where(np.isnan(t_bw), np.nan_to_num(t_b) + np.nan_to_num(t_w), t_bw)
+    t_b = np.where(split, t_b, t_bw / 2)
+    t_w = np.where(split, np.nan_to_num(t_w), t_bw / 2)
+    predicted = simulate(schedule, CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_bw=t_bw)).makespan
+    full = float(np.median(step_times))
+    ratio = pipe / predicted if predicted > 0 else float("nan")
+    ctx.log(
+        f"timing: pipeline step measured {pipe * 1e3:.2f} ms, simulated from measured "
+        f"action costs {predicted * 1e3:.2f} ms, ratio {ratio:.3f}; full step with "
+        f"optimizer {full * 1e3:.2f} ms (medians over {len(pipe_times)} step(s))"
+    )
+    return {
+        "pipeline_measured_s": pipe,
+        "pipeline_predicted_s": predicted,
+        "ratio": ratio,
+        "step_s": full,
+        "t_f": t_f,
+        "t_b": t_b,
+        "t_w": t_w,
+        "t_bw": t_bw,
+    }
+
+
 def _gather_params(
     ctx: RunContext, params: dict[int, Any], coords: dict[str, int]
 ) -> dict[int, dict[str, np.ndarray]] | None:
@@ -269,7 +355,9 @@ def _gather_params(
     return dict(sorted(merged.items()))
 
 
-def _write_metrics(path: Path, history: dict[str, list[float]], cfg) -> None:
+def _write_metrics(
+    path: Path, history: dict[str, list[float]], cfg, timing: dict[str, Any] | None = None
+) -> None:
     import h5py
 
     tmp = path.with_suffix(".h5.tmp")
@@ -277,6 +365,8 @@ def _write_metrics(path: Path, history: dict[str, list[float]], cfg) -> None:
         f.attrs["format"], f.attrs["version"] = METRICS_FORMAT
         f.attrs["config"] = dump_toml(cfg)
         f.create_dataset("step", data=np.arange(1, len(history["loss"]) + 1))
+        for key, value in (timing or {}).items():
+            f.attrs[f"timing_{key}"] = value
         for key, values in history.items():
             f.create_dataset(key, data=np.asarray(values))
     tmp.replace(path)
@@ -313,7 +403,7 @@ def _verify(
     worst_loss = max(
         abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref.losses, strict=True)
     )
-    worst, where = 0.0, ""
+    worst, where = 0.0, "all equal"
     for i, p in ref.params.items():
         for k, expected in p.items():
             got = params[i][k]

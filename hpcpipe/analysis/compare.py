@@ -1,0 +1,77 @@
+"""Two runs side by side (e.g. 1F1B against ZB-V on the same deck): what changed and by how much."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hpcpipe.analysis.metrics import Summary, fmt_time, summarize
+from hpcpipe.io.trace import Trace
+
+__all__ = ["compare", "compare_summaries"]
+
+
+def _row(name: str, a: float | None, b: float | None, text: Callable[[float], str]) -> str:
+    ta = "-" if a is None else text(a)
+    tb = "-" if b is None else text(b)
+    ratio = f"{b / a:.3f}" if a and b is not None else "-"
+    return f"{name:<34} {ta:>16} {tb:>16} {ratio:>8}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f} MiB"
+
+
+def compare(a: Trace, b: Trace, threshold: float = 0.1) -> str:
+    """A table of the figures that decide between two runs, with the ratio B / A."""
+    sa, sb = summarize(a, threshold), summarize(b, threshold)
+    return compare_summaries(sa, sb)
+
+
+def compare_summaries(sa: Summary, sb: Summary) -> str:
+    """`compare` on summaries already computed."""
+    pa, pb = sa.prediction, sb.prediction
+    mean = lambda s, arr: float(arr.mean()) if s.num_ranks else 0.0  # noqa: E731
+    lines = [
+        f"A: {sa.path}",
+        f"B: {sb.path}",
+        "",
+        f"{'':<34} {'A':>16} {'B':>16} {'B/A':>8}",
+        f"{'schedule':<34} {sa.schedule or '-':>16.16} {sb.schedule or '-':>16.16}",
+        _row("ranks", sa.num_ranks, sb.num_ranks, str),
+        _row("recorded steps", len(sa.steps), len(sb.steps), str),
+        _row("step time (median)", sa.step_time_ns, sb.step_time_ns, fmt_time),
+        _row("step time predicted", pa and pa.step_time_ns, pb and pb.step_time_ns, fmt_time),
+        _row("bubble measured", sa.bubble, sb.bubble, _pct),
+        _row("bubble predicted", pa and pa.bubble, pb and pb.bubble, _pct),
+        _row("per-rank bubble (papers)", sa.stage_bubble, sb.stage_bubble, _pct),
+        _row("peak memory (max over ranks)", sa.peak_bytes or None, sb.peak_bytes or None, _mib),
+        _row(
+            "busy per rank per step (mean)",
+            mean(sa, sa.busy_ns) / len(sa.steps),
+            mean(sb, sb.busy_ns) / len(sb.steps),
+            fmt_time,
+        ),
+        _row(
+            "comm per rank per step (mean)",
+            mean(sa, sa.comm_ns) / len(sa.steps),
+            mean(sb, sb.comm_ns) / len(sb.steps),
+            fmt_time,
+        ),
+        _row(
+            "late-sender wait per step",
+            float(sa.late_sender_ns.sum()) / len(sa.steps),
+            float(sb.late_sender_ns.sum()) / len(sb.steps),
+            fmt_time,
+        ),
+        _row(
+            "messages per step",
+            sa.messages / len(sa.steps),
+            sb.messages / len(sb.steps),
+            lambda x: f"{x:.0f}",
+        ),
+    ]
+    return "\n".join(lines)
