@@ -151,7 +151,7 @@ def _execute_plan(args: argparse.Namespace) -> int:
         print(f"WARNING: {problem}")
     if config.run.workload == "sweep":
         print()
-        print(_sweep_plan(config))
+        print(_sweep_plan(config, world))
     pipeline = config.sections.get("pipeline")
     if pipeline is not None and (config.run.workload == "train" or args.png or args.compare):
         from hpcpipe.schedules.report import plan_report
@@ -161,12 +161,19 @@ def _execute_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep_plan(config: Config) -> str:
+def _sweep_plan(config: Config, world: int) -> str:
     """The KBA decomposition and its predicted stage count and efficiency (no MPI)."""
     from hpcpipe.sweep.mesh import build_problem
     from hpcpipe.sweep.plan import PlanError, build_plan, simulate
 
     cfg = config.sweep
+    if cfg.px * cfg.py != world:
+        raise ConfigError(
+            config.source,
+            "sweep.px",
+            f"* sweep.py = {cfg.px} * {cfg.py} = {cfg.px * cfg.py} ranks, but the "
+            f"world has {world}; use mpiexec -n {cfg.px * cfg.py} or change them",
+        )
     problem = build_problem(cfg)
     try:
         plan = build_plan(

@@ -75,6 +75,14 @@ def _configure(p: argparse.ArgumentParser) -> None:
     c.add_argument("a", help="trace A")
     c.add_argument("b", help="trace B")
     c.add_argument("--threshold", type=float, default=0.1, help=argparse.SUPPRESS)
+    t = sub.add_parser(
+        "table",
+        help="one row per run: gather many traces (e.g. a job array) into one table",
+        description="Compare any number of traces, e.g. runs/array-123/*/trace.h5.",
+    )
+    t.add_argument("traces", nargs="+", metavar="TRACE", help="trace files")
+    t.add_argument("--json", default=None, metavar="OUT", help="also write the rows as JSON")
+    t.add_argument("--threshold", type=float, default=0.1, help=argparse.SUPPRESS)
 
 
 def _load(path: str):
@@ -126,6 +134,18 @@ def _execute(args: argparse.Namespace) -> int:
                     "plot", "", "needs matplotlib: pip install 'hpcpipe[plot]'"
                 ) from None
             print(f"wrote {out}")
+        elif action == "table":
+            import json
+
+            from hpcpipe.analysis.compare import table_rows
+            from hpcpipe.analysis.metrics import summarize
+
+            out = _output(args.json, "--json") if args.json else None
+            summaries = [summarize(_load(path), args.threshold) for path in args.traces]
+            text, rows = table_rows(summaries)
+            print(text)
+            if out is not None:
+                out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
         else:
             from hpcpipe.analysis.compare import compare
 
@@ -140,6 +160,6 @@ def _execute(args: argparse.Namespace) -> int:
     return 0
 
 
-register_command("trace", "analyse a trace file: summary, export, plot, compare (no MPI)")(
+register_command("trace", "analyse trace files: summary, export, plot, compare, table (no MPI)")(
     _configure
 )(_execute)

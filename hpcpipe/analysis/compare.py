@@ -7,7 +7,7 @@ from collections.abc import Callable
 from hpcpipe.analysis.metrics import Summary, fmt_time, summarize
 from hpcpipe.io.trace import Trace
 
-__all__ = ["compare", "compare_summaries"]
+__all__ = ["compare", "compare_summaries", "table_rows"]
 
 
 def _row(name: str, a: float | None, b: float | None, text: Callable[[float], str]) -> str:
@@ -75,3 +75,44 @@ def compare_summaries(sa: Summary, sb: Summary) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def table_rows(summaries: list[Summary]) -> tuple[str, list[dict[str, object]]]:
+    """Many runs, one row each (a job array's parameter sweep): text table and JSON rows."""
+    rows: list[dict[str, object]] = []
+    for s in summaries:
+        p = s.prediction
+        rows.append(
+            {
+                "trace": str(s.path),
+                "schedule": s.schedule or "-",
+                "ranks": s.num_ranks,
+                "step_time_s": s.step_time_ns * 1e-9,
+                "predicted_s": p.step_time_ns * 1e-9 if p else None,
+                "bubble": s.bubble,
+                "bubble_predicted": p.bubble if p else None,
+                "peak_bytes": s.peak_bytes,
+            }
+        )
+    width = max([len("run")] + [len(_run_name(r["trace"])) for r in rows])
+    lines = [
+        f"{'run':<{width}} {'schedule':<28} {'ranks':>5} {'step':>11} {'predicted':>11} "
+        f"{'bubble':>7} {'pred.':>7} {'peak mem':>11}"
+    ]
+    for r in sorted(rows, key=lambda r: r["step_time_s"]):
+        pred = "-" if r["predicted_s"] is None else fmt_time(r["predicted_s"] * 1e9)
+        pbub = "-" if r["bubble_predicted"] is None else _pct(r["bubble_predicted"])
+        lines.append(
+            f"{_run_name(r['trace']):<{width}} {r['schedule']:<28.28} {r['ranks']:>5} "
+            f"{fmt_time(r['step_time_s'] * 1e9):>11} {pred:>11} "
+            f"{_pct(r['bubble']):>7} {pbub:>7} {_mib(r['peak_bytes'] or 0):>11}"
+        )
+    return "\n".join(lines), rows
+
+
+def _run_name(path: str) -> str:
+    """The run directory's name (a trace is <run>/trace.h5), else the file name."""
+    from pathlib import Path
+
+    p = Path(path)
+    return p.parent.name if p.name == "trace.h5" and p.parent.name else p.name
