@@ -157,7 +157,11 @@ def _execute_plan(args: argparse.Namespace) -> int:
         from hpcpipe.schedules.report import plan_report
 
         print()
-        print(plan_report(pipeline, rankmap.pp, png=args.png, compare=args.compare))
+        print(
+            plan_report(
+                pipeline, rankmap.pp, png=args.png, compare=args.compare, source=config.source
+            )
+        )
     return 0
 
 

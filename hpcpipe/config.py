@@ -95,7 +95,14 @@ def _coerce(value: Any, tp: Any, source: str, key: str) -> Any:
     if origin is tuple:
         (item_tp, *_) = typing.get_args(tp)
         if not isinstance(value, list | tuple):
-            raise ConfigError(source, key, f"= {value!r} must be {_type_name(tp)}")
+            if (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and item_tp in (int, float)
+            ):
+                value = [value]  # a bare number where a list of numbers is expected
+            else:
+                raise ConfigError(source, key, f"= {value!r} must be {_type_name(tp)}")
         return tuple(_coerce(v, item_tp, source, f"{key}[{i}]") for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
@@ -169,7 +176,9 @@ class RunConfig:
         "which workload runs: topology check, train, or sweep",
         choices=("topology", "train", "sweep"),
     )
-    steps: int = option(1, "optimizer steps (train); the sweep iterates to sweep.tolerance", minimum=1)
+    steps: int = option(
+        1, "optimizer steps (train); the sweep iterates to sweep.tolerance", minimum=1
+    )
     seed: int = option(1234, "seed for every random stream (init, data, routing)", minimum=0)
     output: str = option("runs/default", "run directory: config.toml, metrics.h5, trace.h5, ...")
     log_every: int = option(1, "rank-0 progress line every N steps", minimum=1)

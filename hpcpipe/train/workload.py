@@ -33,7 +33,7 @@ def _schedule(ctx: RunContext):
     from hpcpipe.schedules import ScheduleError, validate
     from hpcpipe.schedules.report import load_schedule
 
-    schedule = load_schedule(ctx.config.pipeline, ctx.rankmap.pp)
+    schedule = load_schedule(ctx.config.pipeline, ctx.rankmap.pp, ctx.config.source)
     try:
         return schedule, validate(schedule)
     except ScheduleError as exc:

@@ -1,0 +1,51 @@
+"""Small helpers shared by the schedule generators: argument checks and array assembly.
+
+Generators describe a rank's order as phases; each phase repeats a short pattern of actions a
+number of times, and some slots of the pattern are empty in some repetitions (no forward left,
+no weight update deferred yet). `phase` turns such a pattern into flat arrays with numpy, so
+building a schedule for p=1024, m=4096 costs milliseconds per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hpcpipe.schedules.ir import Kind
+
+__all__ = ["Slot", "check_pm", "concat", "phase"]
+
+Slot = tuple[Kind, int, np.ndarray, np.ndarray | bool]
+"""(kind, stage, microbatch per repetition, present per repetition)."""
+
+
+def check_pm(name: str, p: int, m: int) -> None:
+    """Reject non-integer or non-positive rank and microbatch counts with a clear message."""
+    for key, value in (("p", p), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ValueError(f"{name}: {key} must be an integer, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name}: {key} must be >= 1 (got {key}={value})")
+
+
+def phase(count: int, slots: Sequence[Slot]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Repeat a pattern of slots `count` times: (kinds, stages, microbatches), empties removed."""
+    count = max(int(count), 0)
+    n = len(slots)
+    kinds = np.empty((count, n), dtype=np.int8)
+    stages = np.empty((count, n), dtype=np.int32)
+    mbs = np.empty((count, n), dtype=np.int64)
+    keep = np.empty((count, n), dtype=bool)
+    for j, (kind, stage, mb, present) in enumerate(slots):
+        kinds[:, j] = int(kind)
+        stages[:, j] = stage
+        mbs[:, j] = mb
+        keep[:, j] = present
+    keep = keep.ravel()
+    return kinds.ravel()[keep], stages.ravel()[keep], mbs.ravel()[keep]
+
+
+def concat(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
+    """Join phases into one rank's (kinds, stages, microbatches)."""
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))

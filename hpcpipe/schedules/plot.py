@@ -1,0 +1,145 @@
+"""Pictures of a simulated schedule: an ASCII rank x time grid and a matplotlib timeline.
+
+Both draw what the papers draw: one row per rank, time to the right, each action labelled with
+its microbatch, idle time left blank, so bubbles are visible at a glance. Labels are F (forward),
+B (backward for inputs), W (backward for weights) and X (fused backward, B and W at once);
+lowercase marks a rank's odd-numbered stage (the second chunk of a V or interleaved rank).
+matplotlib is imported only when a PNG is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from hpcpipe.schedules.ir import Kind
+from hpcpipe.schedules.simulate import SimResult
+
+__all__ = ["ascii_timeline", "plot_timeline"]
+
+_LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
+_COLOR = {Kind.F: "#4c72b0", Kind.B: "#55a868", Kind.W: "#c9b03a", Kind.BW: "#8172b2"}
+
+
+def _chunk_index(result: SimResult) -> np.ndarray:
+    """Position of each action's stage within its rank's stages (0 = first chunk)."""
+    sched = result.schedule
+    local = np.zeros(sched.num_stages, dtype=np.int64)
+    for row in sched.stages_of_rank:
+        for i, s in enumerate(row):
+            local[s] = i
+    return local[result.stage]
+
+
+def _labels(result: SimResult) -> list[str]:
+    chunk = _chunk_index(result)
+    out = []
+    for k, c, mb in zip(
+        result.kind.tolist(), chunk.tolist(), result.microbatch.tolist(), strict=True
+    ):
+        letter = _LETTER[Kind(k)]
+        out.append(f"{letter.lower() if c % 2 else letter}{mb}")
+    return out
+
+
+def ascii_timeline(result: SimResult, *, max_width: int = 160, max_ranks: int = 32) -> str:
+    """Rank x time grid. One column is the shortest action's duration; an action fills the
+    columns it covers (label, then '-'), idle columns show '.'. Cut to `max_width` characters
+    and `max_ranks` rows, saying so."""
+    sched = result.schedule
+    durations = result.end - result.start
+    positive = durations[durations > 0]
+    if positive.size == 0:
+        return "(nothing to draw: every action takes zero time)"
+    quantum = float(positive.min())
+    labels = _labels(result)
+    cell = max(len(s) for s in labels) + 1
+    columns = math.ceil(result.makespan / quantum - 1e-9)
+    fit = max(1, (max_width - 8) // cell)
+    shown = min(columns, fit)
+    ranks = min(sched.num_ranks, max_ranks)
+    lines = []
+    for r in range(ranks):
+        row = ["." * (cell - 1)] * shown
+        for j in range(int(result.offsets[r]), int(result.offsets[r + 1])):
+            c0 = round(result.start[j] / quantum)
+            c1 = max(c0 + 1, round(result.end[j] / quantum))
+            for c in range(c0, min(c1, shown)):
+                row[c] = labels[j] if c == c0 else "-" * (cell - 1)
+        lines.append(f"{r:>5} |" + "".join(f"{x:<{cell}}" for x in row))
+    notes = []
+    if shown < columns:
+        notes.append(f"first {shown} of {columns} columns")
+    if ranks < sched.num_ranks:
+        notes.append(f"first {ranks} of {sched.num_ranks} ranks")
+    legend = (
+        f"one column = {quantum:g} time units; F forward, B backward (inputs), W backward "
+        "(weights), X fused backward; lowercase = a rank's second stage; '.' idle"
+    )
+    if notes:
+        legend += " (" + "; ".join(notes) + ")"
+    return "\n".join([*lines, legend])
+
+
+def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = None) -> Path:
+    """Write a PNG timeline: one bar per action coloured by kind (hatched for a rank's second
+    stage), microbatch numbers where they fit; gaps are the bubbles."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    sched = result.schedule
+    p = sched.num_ranks
+    fig = Figure(figsize=(min(24.0, 4.0 + 0.12 * result.start.size / max(p, 1)), 1.0 + 0.4 * p))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    chunk = _chunk_index(result)
+    durations = result.end - result.start
+    for k in (Kind.F, Kind.B, Kind.W, Kind.BW):
+        for odd in (False, True):
+            sel = (result.kind == k) & ((chunk % 2 == 1) == odd)
+            if not sel.any():
+                continue
+            ax.barh(
+                result.rank[sel],
+                durations[sel],
+                left=result.start[sel],
+                height=0.8,
+                color=_COLOR[k],
+                edgecolor="black",
+                linewidth=0.3,
+                hatch="//" if odd else None,
+            )
+    wide = durations >= 0.02 * max(result.makespan, 1e-12)
+    if p <= 64 and wide.sum() <= 4000:
+        for j in np.flatnonzero(wide):
+            ax.text(
+                result.start[j] + durations[j] / 2,
+                result.rank[j],
+                str(int(result.microbatch[j])),
+                ha="center",
+                va="center",
+                fontsize=6,
+            )
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xlim(0, result.makespan)
+    ax.set_xlabel("time")
+    ax.set_ylabel("rank")
+    ax.legend(
+        handles=[
+            Patch(color=_COLOR[k], label=name)
+            for k, name in ((Kind.F, "F"), (Kind.B, "B"), (Kind.W, "W"), (Kind.BW, "B+W"))
+        ],
+        loc="upper right",
+        fontsize=7,
+    )
+    ax.set_title(
+        title
+        or f"{sched.name}: makespan {result.makespan:g}, bubble {100 * result.bubble_fraction:.1f}%"
+    )
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    return out

@@ -1,0 +1,160 @@
+"""The text `hpcpipe plan` prints for the [pipeline] section: the chosen schedule drawn,
+validated and simulated, and optionally every schedule compared under the same costs."""
+
+from __future__ import annotations
+
+from hpcpipe.config import ConfigError
+from hpcpipe.schedules.config import PipelineConfig, cost_model
+from hpcpipe.schedules.errors import ScheduleError
+from hpcpipe.schedules.ir import Schedule, read_csv
+from hpcpipe.schedules.plot import ascii_timeline, plot_timeline
+from hpcpipe.schedules.registry import PUBLISHED, SCHEDULE_NAMES, build_schedule
+from hpcpipe.schedules.simulate import SimResult, simulate
+from hpcpipe.schedules.validate import validate
+
+__all__ = ["load_schedule", "plan_report"]
+
+_SOURCE = "[pipeline]"  # when the caller does not name the deck
+
+
+def load_schedule(cfg: PipelineConfig, pp: int, source: str = _SOURCE) -> Schedule:
+    """The deck's schedule for `pp` ranks: generated, or read from `schedule_csv`.
+
+    Raises ConfigError naming the key when the deck asks for something that cannot be built.
+    """
+    if cfg.schedule != "csv":
+        try:
+            return build_schedule(cfg.schedule, pp, cfg.microbatches, cfg.virtual_stages)
+        except ValueError as exc:
+            raise ConfigError(source, "pipeline.schedule", f"= {cfg.schedule!r}: {exc}") from None
+    try:
+        sched = read_csv(cfg.schedule_csv)
+    except OSError as exc:
+        raise ConfigError(source, "pipeline.schedule_csv", f"cannot be read: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(source, "pipeline.schedule_csv", f"is not a schedule: {exc}") from None
+    if sched.num_ranks != pp:
+        raise ConfigError(
+            source,
+            "pipeline.schedule_csv",
+            f"has {sched.num_ranks} rank rows but topology.pp = {pp}",
+        )
+    if sched.num_microbatches != cfg.microbatches:
+        raise ConfigError(
+            source,
+            "pipeline.microbatches",
+            f"= {cfg.microbatches} but {cfg.schedule_csv} schedules {sched.num_microbatches}",
+        )
+    return sched
+
+
+def _run(cfg: PipelineConfig, sched: Schedule, pp: int, source: str = _SOURCE) -> SimResult:
+    try:
+        validate(sched)
+    except ScheduleError as exc:
+        raise ConfigError(source, "pipeline.schedule", f"cannot run: {exc}") from None
+    return simulate(sched, cost_model(cfg, pp, sched.num_stages))
+
+
+def _placement(sched: Schedule) -> str:
+    per = len(sched.stages_of_rank[0])
+    if per == 1:
+        return "1 stage per rank"
+    if sched.stages_of_rank[0] == (0, sched.num_stages - 1):
+        return f"{per} stages per rank, V placement (rank r holds r and {sched.num_stages - 1}-r)"
+    return f"{per} stages per rank, interleaved (rank r holds r, r+p, ...)"
+
+
+def _summary(result: SimResult) -> str:
+    return (
+        f"predicted makespan {result.makespan:.6g}; bubble {100 * result.bubble_fraction:.1f}% "
+        f"of all rank time (idle within the makespan); stage bubble "
+        f"{100 * result.stage_bubble_fraction:.1f}% (worst rank's idle inside its own first-"
+        "to-last action, the papers' measure)"
+    )
+
+
+def _rank_table(result: SimResult, max_rows: int = 16) -> str:
+    sched = result.schedule
+    p = sched.num_ranks
+    rows = (
+        list(range(p)) if p <= max_rows else [*range(max_rows // 2), *range(p - max_rows // 2, p)]
+    )
+    lines = [f"{'rank':>6} {'stages':>12} {'busy':>10} {'idle':>10} {'peak memory':>12}"]
+    for i, r in enumerate(rows):
+        if i and r != rows[i - 1] + 1:
+            lines.append(f"{'...':>6}")
+        stages = ",".join(str(s) for s in sched.stages_of_rank[r])
+        lines.append(
+            f"{r:>6} {stages:>12} {result.busy[r]:>10.6g} {result.bubble[r]:>10.6g} "
+            f"{result.peak_memory[r]:>12.6g}"
+        )
+    return "\n".join(lines)
+
+
+def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
+    names = list(SCHEDULE_NAMES)
+    header = (
+        f"{'schedule':<17} {'v':>2} {'makespan':>10} {'bubble':>7} {'stage bub':>9} "
+        f"{'peak mem':>9}  {'published bubble':<19} memory"
+    )
+    lines = [
+        f"all schedules for p={pp}, m={cfg.microbatches} and the deck's costs "
+        "(* = the deck's choice; memory in activation_memory units, max over ranks):",
+        header,
+        "-" * len(header),
+    ]
+    entries: list[tuple[str, Schedule | str]] = []
+    for name in names:
+        v = cfg.virtual_stages if name == "interleaved-1f1b" else None
+        try:
+            entries.append((name, build_schedule(name, pp, cfg.microbatches, v)))
+        except ValueError as exc:
+            entries.append((name, str(exc)))
+    if cfg.schedule == "csv":
+        entries.append(("csv", chosen))
+    for name, item in entries:
+        mark = "*" if name == cfg.schedule else " "
+        if isinstance(item, str):
+            lines.append(f"{mark}{name:<16}  skipped: {item}")
+            continue
+        result = _run(cfg, item, pp)
+        v = len(item.stages_of_rank[0])
+        bubble, memory = PUBLISHED.get(name, ("", ""))
+        lines.append(
+            f"{mark}{name:<16} {v:>2} {result.makespan:>10.6g} "
+            f"{100 * result.bubble_fraction:>6.1f}% {100 * result.stage_bubble_fraction:>8.1f}% "
+            f"{result.peak_memory.max():>9.4g}  {bubble:<19} {memory}".rstrip()
+        )
+    lines.append(
+        "bubble: idle share of all ranks within the makespan; stage bubble: worst rank's idle "
+        "share inside its own span (the papers' measure); published: F, B, W = one full stage"
+    )
+    return "\n".join(lines)
+
+
+def plan_report(
+    cfg: PipelineConfig,
+    pp: int,
+    *,
+    png: str | None = None,
+    compare: bool = False,
+    source: str = _SOURCE,
+) -> str:
+    """What `hpcpipe plan DECK` prints: the schedule as a rank x time grid, its predicted
+    makespan, bubble and peak memory per rank; `png` also writes a timeline picture and
+    `compare` appends a table of every schedule for the same p, m and costs."""
+    sched = load_schedule(cfg, pp, source)
+    result = _run(cfg, sched, pp, source)
+    parts = [
+        f"pipeline schedule {sched.name}: p={pp} ranks, {sched.num_stages} stages "
+        f"({_placement(sched)}), m={sched.num_microbatches} microbatches",
+        ascii_timeline(result),
+        _summary(result),
+        _rank_table(result),
+    ]
+    if png:
+        parts.append(f"timeline written to {plot_timeline(result, png)}")
+    if compare:
+        parts.append(_compare(cfg, pp, sched))
+    return "\n\n".join(parts)

@@ -1,0 +1,261 @@
+"""Event-driven simulation of a schedule under a cost model: time, bubbles and memory.
+
+Each rank runs its compute actions in order; an action starts when the rank is free and its
+input has arrived (the producing action's end, plus the transfer time when the producer sits on
+another rank). Transfers overlap computation (the runtime pre-posts receives and uses
+non-blocking sends), so SEND/RECV actions of a lowered schedule take no rank time here. The
+simulation is vectorised over ranks: each round starts the next action of every rank whose
+input is ready, so its cost is (rounds x numpy calls), not (actions x Python statements).
+
+Memory model: running F on stage s allocates `activation[s]` (one microbatch's activations on
+that stage); a split backward releases the fraction `b_frees` of it at the end of B (what B no
+longer needs, e.g. the output gradients) and the rest at the end of W; a fused BW releases all
+of it at its end. Peak memory per rank is the maximum of the live total over its execution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from hpcpipe.schedules._table import ComputeTable, compute_table, cycle_error
+from hpcpipe.schedules.ir import Action, Kind, Schedule
+
+__all__ = ["CostModel", "SimResult", "simulate"]
+
+Costs = float | Sequence[float]
+
+
+def _per_stage(value: Costs, num_stages: int, name: str) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim == 0:
+        return np.full(num_stages, float(arr))
+    if arr.shape != (num_stages,):
+        raise ValueError(
+            f"{name}: {arr.size} per-stage values given but the schedule has {num_stages} stages"
+        )
+    return arr.copy()
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage compute times, transfer cost and activation memory.
+
+    Times are in one unit of your choice; `t_f`, `t_b`, `t_w`, `t_bw` and `activation` are a
+    scalar (every stage) or one value per stage of the schedule simulated. `t_bw` (fused
+    backward) defaults to `t_b + t_w`. A transfer between stages on different ranks takes
+    `comm_latency + message_bytes / comm_bandwidth` (bandwidth in bytes per time unit; None is
+    unlimited); stages on the same rank hand over for free.
+    """
+
+    t_f: Costs = 1.0
+    t_b: Costs = 1.0
+    t_w: Costs = 1.0
+    t_bw: Costs | None = None
+    comm_latency: float = 0.0
+    comm_bandwidth: float | None = None
+    message_bytes: float = 0.0
+    activation: Costs = 1.0
+    b_frees: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.b_frees <= 1.0:
+            raise ValueError(f"b_frees must be within [0, 1], got {self.b_frees}")
+        if self.comm_bandwidth is not None and self.comm_bandwidth <= 0:
+            raise ValueError(f"comm_bandwidth must be > 0 (or None), got {self.comm_bandwidth}")
+        if self.comm_latency < 0 or self.message_bytes < 0:
+            raise ValueError("comm_latency and message_bytes must be >= 0")
+
+    @property
+    def comm_time(self) -> float:
+        """Time for one activation or gradient to cross between ranks."""
+        if self.comm_bandwidth is None:
+            return float(self.comm_latency)
+        return float(self.comm_latency + self.message_bytes / self.comm_bandwidth)
+
+    def stage_arrays(self, num_stages: int) -> dict[str, np.ndarray]:
+        """Per-stage arrays: t_f, t_b, t_w, t_bw, activation (each of length num_stages)."""
+        out = {
+            name: _per_stage(getattr(self, name), num_stages, name)
+            for name in ("t_f", "t_b", "t_w", "activation")
+        }
+        if self.t_bw is None:
+            out["t_bw"] = out["t_b"] + out["t_w"]
+        else:
+            out["t_bw"] = _per_stage(self.t_bw, num_stages, "t_bw")
+        for name, arr in out.items():
+            if np.any(arr < 0) or not np.all(np.isfinite(arr)):
+                raise ValueError(f"{name} values must be finite and >= 0")
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Predicted execution of a schedule: per-action times, per-rank figures.
+
+    Arrays `start`, `end`, `kind`, `stage`, `microbatch`, `rank` hold the compute actions in
+    rank order (rank r's are `[offsets[r]:offsets[r+1]]`).
+    """
+
+    schedule: Schedule
+    costs: CostModel
+    start: np.ndarray
+    end: np.ndarray
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    rank: np.ndarray
+    offsets: np.ndarray
+    busy: np.ndarray
+    peak_memory: np.ndarray
+
+    @cached_property
+    def makespan(self) -> float:
+        """End of the last action (every rank starts at time 0)."""
+        return float(self.end.max()) if self.end.size else 0.0
+
+    @cached_property
+    def first_start(self) -> np.ndarray:
+        return _segment(np.minimum.reduceat, self.start, self.offsets, 0.0)
+
+    @cached_property
+    def last_end(self) -> np.ndarray:
+        return _segment(np.maximum.reduceat, self.end, self.offsets, 0.0)
+
+    @property
+    def bubble(self) -> np.ndarray:
+        """Idle time of each rank within the makespan (what one synchronised step costs)."""
+        return self.makespan - self.busy
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time within the makespan."""
+        total = self.makespan * self.schedule.num_ranks
+        return float(self.bubble.sum() / total) if total > 0 else 0.0
+
+    @property
+    def stage_bubble(self) -> np.ndarray:
+        """Idle time of each rank between its own first start and last end.
+
+        This is the measure of the zero-bubble papers ("longest stage time"): when steps
+        follow each other without a barrier, a rank's start and end skew overlaps the
+        neighbouring steps, so only the gaps inside its own span cost throughput.
+        """
+        return (self.last_end - self.first_start) - self.busy
+
+    @property
+    def stage_bubble_fraction(self) -> float:
+        """The papers' bubble rate: max over ranks of 1 - busy / own span."""
+        span = self.last_end - self.first_start
+        ok = span > 0
+        if not ok.any():
+            return 0.0
+        return float(np.max(1.0 - self.busy[ok] / span[ok]))
+
+    def timeline(self, rank: int) -> list[tuple[Action, float, float]]:
+        """(action, start, end) of one rank's compute actions, in execution order."""
+        lo, hi = int(self.offsets[rank]), int(self.offsets[rank + 1])
+        kinds = [Kind(k) for k in range(len(Kind))]
+        return [
+            (Action(int(s), kinds[int(k)], int(mb)), float(t0), float(t1))
+            for k, s, mb, t0, t1 in zip(
+                self.kind[lo:hi],
+                self.stage[lo:hi],
+                self.microbatch[lo:hi],
+                self.start[lo:hi],
+                self.end[lo:hi],
+                strict=True,
+            )
+        ]
+
+
+def _segment(ufunc_reduceat, values: np.ndarray, offsets: np.ndarray, empty: float) -> np.ndarray:
+    p = offsets.size - 1
+    out = np.full(p, empty)
+    lengths = np.diff(offsets)
+    nonempty = lengths > 0
+    if values.size and nonempty.any():
+        out[nonempty] = ufunc_reduceat(values, offsets[:-1][nonempty])
+    return out
+
+
+def durations(table: ComputeTable, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """Duration of every compute action from the per-stage cost arrays."""
+    by_kind = np.stack([arrays["t_f"], arrays["t_b"], arrays["t_w"], arrays["t_bw"]])
+    return by_kind[table.kind, table.stage]
+
+
+def run_rounds(table: ComputeTable, dur: np.ndarray, delay: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Start/end of every compute action: list scheduling in each rank's fixed order.
+
+    Raises `ScheduleError` (dependency cycle) when no rank can move.
+    """
+    n = table.n
+    p = table.offsets.size - 1
+    dep = table.dep
+    start = np.empty(n)
+    end = np.full(n + 1, np.inf)
+    end[n] = 0.0
+    ptr = table.offsets[:-1].copy()
+    stop = table.offsets[1:]
+    free = np.zeros(p)
+    act = np.flatnonzero(ptr < stop)
+    while act.size:
+        a = ptr[act]
+        ready = end[dep[a]]
+        ok = ready != np.inf
+        if not ok.all():
+            if not ok.any():
+                raise cycle_error(table, a)
+            act_ok, a, ready = act[ok], a[ok], ready[ok]
+        else:
+            act_ok = act
+        st = np.maximum(free[act_ok], ready + delay[a])
+        en = st + dur[a]
+        start[a] = st
+        end[a] = en
+        free[act_ok] = en
+        ptr[act_ok] += 1
+        act = act[ptr[act] < stop[act]]
+    return start, end[:n]
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
+    """Predict per-rank timelines, makespan, bubbles and peak activation memory.
+
+    Checks the schedule's structure first (the same checks as `validate` that need no timing)
+    and raises `ScheduleError` for a schedule that cannot run.
+    """
+    costs = costs or CostModel()
+    table = compute_table(schedule)
+    arrays = costs.stage_arrays(schedule.num_stages)
+    dur = durations(table, arrays)
+    delay = np.where(table.cross, costs.comm_time, 0.0)
+    start, end = run_rounds(table, dur, delay)
+
+    # live activations after each action, in each rank's order (= time order on that rank)
+    share = np.array([1.0, -costs.b_frees, costs.b_frees - 1.0, -1.0])
+    delta = arrays["activation"][table.stage]
+    delta *= share[table.kind]
+    live = np.cumsum(delta)
+    del delta
+    base = np.concatenate(([0.0], live))[table.offsets[:-1]]
+    peak = np.maximum(_segment(np.maximum.reduceat, live, table.offsets, 0.0) - base, 0.0)
+    del live
+    busy = np.bincount(table.rank, weights=dur, minlength=schedule.num_ranks)
+    return SimResult(
+        schedule=schedule,
+        costs=costs,
+        start=start,
+        end=end,
+        kind=table.kind,
+        stage=table.stage,
+        microbatch=table.mb,
+        rank=table.rank,
+        offsets=table.offsets,
+        busy=busy,
+        peak_memory=peak,
+    )
