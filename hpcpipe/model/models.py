@@ -33,18 +33,49 @@ __all__ = [
 Params = dict[int, dict[str, Array]]  # global layer index -> parameter name -> array
 
 
-def build_model(cfg: ModelConfig) -> list[Module]:
-    """The pipeline units of the model: embedding, `cfg.layers` residual blocks, loss head."""
+def build_model(cfg: ModelConfig, moe: Any = None, expert_group: Any = None) -> list[Module]:
+    """The pipeline units of the model: embedding, `cfg.layers` residual blocks, loss head.
+
+    `moe` (a `hpcpipe.moe.MoEConfig` with experts > 0) turns every `moe.every`-th gpt block
+    into an MoE block; `expert_group` (a `hpcpipe.moe.ExpertGroup`) places experts / ep of each
+    block's experts on this rank, None keeps every expert local (single process).
+    """
     d, n = cfg.d_model, cfg.layers
+    use_moe = moe is not None and moe.experts > 0
+    if use_moe and cfg.kind != "gpt":
+        raise ValueError(f"kind: = {cfg.kind!r} has no MoE blocks; moe.experts > 0 needs gpt")
     if cfg.kind == "mlp":
         blocks: list[Module] = [ResidualMLP(d, cfg.d_ff, n) for _ in range(n)]
         first = Embedding(cfg.vocab, d)
     elif cfg.kind == "gpt":
-        blocks = [TransformerBlock(d, cfg.n_heads, cfg.d_ff, cfg.seq_len, n) for _ in range(n)]
+        blocks = [
+            _moe_block(cfg, moe, expert_group)
+            if use_moe and moe.is_moe_block(b)
+            else TransformerBlock(d, cfg.n_heads, cfg.d_ff, cfg.seq_len, n)
+            for b in range(n)
+        ]
         first = Embedding(cfg.vocab, d, seq_len=cfg.seq_len)
     else:
         raise ValueError(f"kind: = {cfg.kind!r} is not a known model (mlp, gpt)")
     return [first, *blocks, LossHead(d, cfg.vocab)]
+
+
+def _moe_block(cfg: ModelConfig, moe: Any, expert_group: Any) -> Module:
+    from hpcpipe.moe.layer import MoELayer, MoETransformerBlock  # moe builds on model layers
+
+    layer = MoELayer(
+        cfg.d_model,
+        moe.d_ff_expert or cfg.d_ff,
+        moe.experts,
+        top_k=moe.top_k,
+        capacity_factor=moe.capacity_factor,
+        dropless=moe.dropless,
+        aux_loss_coef=moe.aux_loss_coef,
+        z_loss_coef=moe.z_loss_coef,
+        n_blocks=cfg.layers,
+        group=expert_group,
+    )
+    return MoETransformerBlock(cfg.d_model, cfg.n_heads, cfg.seq_len, cfg.layers, layer)
 
 
 def boundary_shape(cfg: ModelConfig, batch: int) -> tuple[int, int, int]:

@@ -10,6 +10,10 @@ flight and delay W (zero-bubble schedules), and makes live activation memory mea
                                                      # first stage: dx is None
     grads = stage.backward_weight(params, wctx)      # {global index: {name: array}}
 
+With MoE blocks, pass the microbatch's share of the objective to F, `stage.forward(params, x,
+targets, loss_weight=w)`, which scales their auxiliary losses; `stage.aux_stats(ctx)` reports
+what each MoE block routed (see docs/moe.md).
+
 Contexts may reference the arrays passed in (W of a block's last projection needs `dy` itself), so
 treat `x` as owned by the stage until B of that microbatch and `dy` until its W: a reusable
 receive buffer must be copied, or not refilled, while those contexts are alive.
@@ -54,19 +58,36 @@ class Stage:
             i: u.init(seed, i, xp, dtype) for i, u in zip(self.indices, self.units, strict=True)
         }
 
-    def forward(self, params: Params, x: Array, targets: Array | None = None) -> tuple[Array, Any]:
-        """F for one microbatch: the output (the 0-d mean loss on the last stage) and its ctx."""
+    def forward(
+        self, params: Params, x: Array, targets: Array | None = None, *, loss_weight: float = 1.0
+    ) -> tuple[Array, Any]:
+        """F for one microbatch: the output (the 0-d mean loss on the last stage) and its ctx.
+
+        `loss_weight` is the microbatch's share of the objective (the `dy` its last stage gets
+        in B); units with auxiliary losses (MoE) keep it in their ctx to scale those losses.
+        """
         ctxs = []
         for i, unit in zip(self.indices, self.units, strict=True):
             if isinstance(unit, LossHead):
                 if targets is None:
                     raise ValueError(f"{self} ends with the loss head: forward needs targets")
                 x, ctx = unit.forward(params[i], x, targets)
+            elif getattr(unit, "uses_loss_weight", False):
+                x, ctx = unit.forward(params[i], x, loss_weight=loss_weight)  # type: ignore[call-arg]
             else:
                 assert isinstance(unit, Layer)
                 x, ctx = unit.forward(params[i], x)
             ctxs.append(ctx)
         return x, ctxs
+
+    def aux_stats(self, ctx: Any) -> dict[int, Any]:
+        """Auxiliary-loss figures of the microbatch whose F returned `ctx`, by global unit index
+        (`hpcpipe.moe.MoEStats` of each MoE block; empty for a dense stage)."""
+        return {
+            i: unit.aux_stats(c)
+            for i, unit, c in zip(self.indices, self.units, ctx, strict=True)
+            if hasattr(unit, "aux_stats")
+        }
 
     def backward_input(self, params: Params, ctx: Any, dy: Any) -> tuple[Array | None, Any]:
         """B: gradient for the previous stage (None on the first) and the ctx W needs.
