@@ -28,8 +28,9 @@ def mpiexec() -> list[str]:
 def run_hpcpipe(n: int, args: list[str], timeout: float = 1800) -> str:
     """`mpiexec -n N python -m hpcpipe ARGS`; exits with the job's output if it fails."""
     cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "hpcpipe", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL
+    )
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
@@ -45,5 +46,9 @@ def save_json(name: str, payload: dict[str, Any]) -> Path:
 def machine() -> dict[str, Any]:
     import platform
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(),
-            "machine": platform.machine(), "system": platform.system()}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "system": platform.system(),
+    }

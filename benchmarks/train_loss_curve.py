@@ -14,7 +14,6 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-
 from _common import RESULTS, machine, run_hpcpipe, save_json
 
 
@@ -26,21 +25,35 @@ def main() -> None:
     ap.add_argument("--schedule", default="zb-v")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        sets = [f"run.output={out}", f"topology.pp={args.ranks}", "topology.dp=1",
-                f"run.steps={args.steps}", f"pipeline.schedule={args.schedule}",
-                "run.log_every=50"]
+        sets = [
+            f"run.output={out}",
+            f"topology.pp={args.ranks}",
+            "topology.dp=1",
+            f"run.steps={args.steps}",
+            f"pipeline.schedule={args.schedule}",
+            "run.log_every=50",
+        ]
         log = run_hpcpipe(args.ranks, ["run", args.deck, *[x for s in sets for x in ("--set", s)]])
         with h5py.File(Path(out) / "metrics.h5") as f:
             loss = f["loss"][()]
-    optimal = float(next(w.split("=")[1] for line in log.splitlines() if line.startswith("train:")
-                         for w in line.split() if w.startswith("optimal_loss=")))
+    optimal = float(
+        next(
+            w.split("=")[1]
+            for line in log.splitlines()
+            if line.startswith("train:")
+            for w in line.split()
+            if w.startswith("optimal_loss=")
+        )
+    )
     tail = float(np.mean(loss[-20:]))
     print(f"# {args.schedule} on {args.ranks} ranks, {args.steps} steps")
     print(f"{'step':>6} {'loss':>8}")
     for s in sorted({0, *range(49, len(loss), 50), len(loss) - 1}):
         print(f"{s + 1:>6} {loss[s]:>8.4f}")
-    print(f"optimal loss {optimal:.4f}; mean of last 20 steps {tail:.4f} "
-          f"({(tail / optimal - 1) * 100:+.1f}%)")
+    print(
+        f"optimal loss {optimal:.4f}; mean of last 20 steps {tail:.4f} "
+        f"({(tail / optimal - 1) * 100:+.1f}%)"
+    )
 
     import matplotlib
 
@@ -50,16 +63,28 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(np.arange(1, len(loss) + 1), loss, lw=1.2, label=f"{args.schedule}, pp={args.ranks}")
     ax.axhline(optimal, color="k", ls="--", lw=1, label=f"best achievable {optimal:.3f}")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", yscale="log",
-           title="hpcpipe: pipelined training on synthetic Markov data")
+    ax.set(
+        xlabel="step",
+        ylabel="loss (nats/token)",
+        yscale="log",
+        title="hpcpipe: pipelined training on synthetic Markov data",
+    )
     ax.legend()
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
     png = RESULTS / "loss_curve.png"
     fig.savefig(png, dpi=120)
-    path = save_json("loss_curve", {"schedule": args.schedule, "ranks": args.ranks,
-                                    "optimal_loss": optimal, "final_mean20": tail,
-                                    "loss": loss.tolist(), "machine": machine()})
+    path = save_json(
+        "loss_curve",
+        {
+            "schedule": args.schedule,
+            "ranks": args.ranks,
+            "optimal_loss": optimal,
+            "final_mean20": tail,
+            "loss": loss.tolist(),
+            "machine": machine(),
+        },
+    )
     print(f"# wrote {png} and {path}")
 
 

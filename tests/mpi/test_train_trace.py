@@ -18,10 +18,26 @@ DECK = str(Path(__file__).resolve().parents[2] / "inputs" / "train_tiny.toml")
 @pytest.mark.parametrize(("schedule", "dp"), [("zb-v", 1), ("1f1b", 2)])
 def test_trace_of_real_run(mpirun, cli, tmp_path, schedule, dp):
     pp = 4 // dp
-    r = mpirun(4, ["run", DECK, "--set", f"run.output={tmp_path}", "--set", f"topology.pp={pp}",
-                   "--set", f"topology.dp={dp}", "--set", f"pipeline.schedule={schedule}",
-                   "--set", "trace.enabled=true", "--set", "pipeline.microbatches=4"],
-               timeout=120)
+    r = mpirun(
+        4,
+        [
+            "run",
+            DECK,
+            "--set",
+            f"run.output={tmp_path}",
+            "--set",
+            f"topology.pp={pp}",
+            "--set",
+            f"topology.dp={dp}",
+            "--set",
+            f"pipeline.schedule={schedule}",
+            "--set",
+            "trace.enabled=true",
+            "--set",
+            "pipeline.microbatches=4",
+        ],
+        timeout=120,
+    )
     assert r.returncode == 0, r.output
     trace = read_trace(tmp_path / "trace.h5")
     assert len(trace.events) == 4
