@@ -19,6 +19,7 @@ from hpcpipe.faults import maybe_fail
 from hpcpipe.io.trace import EventKind, Recorder, action_peers, world_ranks
 from hpcpipe.model.models import Params
 from hpcpipe.model.stage import Stage
+from hpcpipe.moe.layer import is_expert_param
 from hpcpipe.mpi.collectives import BucketedAllreduce, FlatBuffer
 from hpcpipe.mpi.p2p import BACKWARD, FORWARD, Mailbox
 from hpcpipe.schedules.ir import Action, Kind, Schedule
@@ -61,6 +62,7 @@ class PipelineRank:
         bucket_bytes: int = 4 << 20,
         world_rank: int = 0,
         recorder: Recorder | None = None,
+        expert_dp_comm: MPI.Comm | None = None,
     ):
         self.schedule = schedule
         self.rank = rank
@@ -77,14 +79,25 @@ class PipelineRank:
         self.mailbox = Mailbox(pp_comm, backend, self.n_stages)
         self.reducer = BucketedAllreduce(dp_comm, backend, bucket_bytes)
         self.lookahead = recv_lookahead
-        self.grads = {
-            s: FlatBuffer.like(
-                self.xp,
-                {(i, k): v.shape for i, p in params[s].items() for k, v in p.items()},
-                backend.dtype,
+        # Dense gradients are reduced over dp; expert gradients (sharded over ep) only over
+        # the replicas of the same experts (expert_dp_comm), so each kind has its own buffer.
+        self.grads: dict[int, FlatBuffer] = {}
+        self.expert_grads: dict[int, FlatBuffer] = {}
+        self._views: dict[int, dict[tuple[int, str], Any]] = {}
+        for s in stages:
+            shapes = {(i, k): v.shape for i, p in params[s].items() for k, v in p.items()}
+            expert = {key for key in shapes if is_expert_param(key[1])}
+            self.grads[s] = FlatBuffer.like(
+                self.xp, {k: v for k, v in shapes.items() if k not in expert}, backend.dtype
             )
-            for s in stages
-        }
+            self.expert_grads[s] = FlatBuffer.like(
+                self.xp, {k: v for k, v in shapes.items() if k in expert}, backend.dtype
+            )
+            self._views[s] = {**self.grads[s].views, **self.expert_grads[s].views}
+        self.expert_reducer = BucketedAllreduce(
+            expert_dp_comm if expert_dp_comm is not None else dp_comm, backend, bucket_bytes
+        )
+        self.has_moe = any(is_expert_param(k[1]) for v in self._views.values() for k in v)
         self.peak_units_overall = 0  # over every step, in chunks (stages) x microbatches
         self.rec = recorder if recorder is not None else Recorder(rank, enabled=False)
         if self.rec.enabled:  # peers and sizes per action, so the hook only indexes
@@ -101,8 +114,9 @@ class PipelineRank:
         self, step: int, inputs: list[Any] | None, targets: list[Any] | None, loss_weight: float
     ) -> StepResult:
         """Run every action of this rank for one step. inputs/targets: per microbatch (or None)."""
-        for buf in self.grads.values():
+        for buf in (*self.grads.values(), *self.expert_grads.values()):
             buf.zero()
+        self.moe_stats: list[Any] = []
         self._inputs: dict[tuple[int, int], Any] = {}  # (stage, mb) -> activation in
         self._outputs: dict[tuple[int, int], Any] = {}  # (stage, mb) -> activation out
         self._dgrad_in: dict[tuple[int, int], Any] = {}  # (stage, mb) -> dL/d(output)
@@ -152,6 +166,7 @@ class PipelineRank:
         t0 = now()
         self.mailbox.drain()
         self.reducer.wait()
+        self.expert_reducer.wait()
         t1 = now()
         if rec.enabled:
             rec.record(EventKind.WAIT, -1, -1, t0, t1)
@@ -224,7 +239,11 @@ class PipelineRank:
         inputs, targets, _ = self._batch
         x = inputs[mb] if stage.is_first else self._inputs.pop((s, mb))
         maybe_fail(f"forward:{step}", self.world_rank)
-        y, ctx = stage.forward(self.params[s], x, targets[mb] if stage.is_last else None)
+        y, ctx = stage.forward(
+            self.params[s], x, targets[mb] if stage.is_last else None, loss_weight=self._batch[2]
+        )
+        if self.has_moe:
+            self.moe_stats.extend(stage.aux_stats(ctx).values())
         self._ctx[(s, mb)] = ctx
         self._track(+Stage.activation_bytes(ctx), +1)
         if stage.is_last:
@@ -252,16 +271,19 @@ class PipelineRank:
     def _backward_weight(self, s: int, mb: int) -> None:
         wctx = self._wctx.pop((s, mb))
         grads = self.stages[s].backward_weight(self.params[s], wctx)
-        views = self.grads[s].views
+        views = self._views[s]
         for i, g in grads.items():
             for k, v in g.items():
                 views[(i, k)] += v
         self._track(-Stage.activation_bytes(wctx), -1)
         self._w_done[s] += 1
-        if self._w_done[s] == self._m:
-            if self.reducer.comm.size > 1:
-                self._reduce_started[s] = (self.rec.now(), int(self.grads[s].flat.nbytes))
-            self.reducer.start(self.grads[s], key=str(s))  # overlaps the remaining backward
+        if self._w_done[s] == self._m:  # the stage's last W: reduce while backward goes on
+            nbytes = int(self.grads[s].flat.nbytes + self.expert_grads[s].flat.nbytes)
+            if self.reducer.comm.size > 1 or self.expert_reducer.comm.size > 1:
+                self._reduce_started[s] = (self.rec.now(), nbytes)
+            self.reducer.start(self.grads[s], key=f"d{s}")
+            if self.expert_grads[s].flat.size:
+                self.expert_reducer.start(self.expert_grads[s], key=f"e{s}")
 
     def _track(self, dbytes: int, dunits: int) -> None:
         self._live_bytes += dbytes
@@ -274,16 +296,17 @@ class PipelineRank:
     def grads_tree(self, s: int) -> Params:
         """The (reduced) gradients of stage `s`, keyed like its parameters."""
         out: dict[int, dict[str, Any]] = {}
-        for (i, k), v in self.grads[s].views.items():
+        for (i, k), v in self._views[s].items():
             out.setdefault(i, {})[k] = v
         return out
 
-    def local_sq_norm(self) -> float:
-        return float(
-            sum(
-                float((buf.flat.astype(np.float64) ** 2).sum())
-                if not self.backend.on_gpu
-                else float(self.xp.sum(buf.flat.astype(self.xp.float64) ** 2))
-                for buf in self.grads.values()
+    def local_sq_norms(self) -> tuple[float, float]:
+        """Squared norms of this rank's (dense, expert) gradients, in float64."""
+        xp = self.xp
+
+        def sq(buffers: dict[int, FlatBuffer]) -> float:
+            return float(
+                sum(float(xp.sum(b.flat.astype(xp.float64) ** 2)) for b in buffers.values())
             )
-        )
+
+        return sq(self.grads), sq(self.expert_grads)

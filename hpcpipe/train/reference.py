@@ -56,7 +56,7 @@ def loss_and_grads(
     for k in range(microbatches):
         sl = slice(k * per, (k + 1) * per)
         weight = per / rows  # this microbatch's share of the global batch's tokens
-        mb_loss, ctx = stage.forward(params, inputs[sl], targets[sl])
+        mb_loss, ctx = stage.forward(params, inputs[sl], targets[sl], loss_weight=weight)
         _, wctx = stage.backward_input(params, ctx, weight)
         grads = stage.backward_weight(params, wctx)
         total = grads if total is None else accumulate(total, grads)
@@ -89,14 +89,16 @@ def train_reference(
     record_grads: Collection[int] = (),
     dataset: Dataset | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    moe: Any = None,
 ) -> ReferenceResult:
     """Train `steps` optimizer steps from the seeded init; return losses and final parameters.
 
     `record_grads` lists steps whose accumulated (unclipped) gradients are returned. `dataset`
     replaces the one built from `data` (tests use it to reuse a chain); `on_step(step, loss)` is
-    called after every step.
+    called after every step. `moe` (a `hpcpipe.moe.MoEConfig`) adds MoE blocks with every
+    expert local, the oracle for expert-parallel runs.
     """
-    units = build_model(model)
+    units = build_model(model, moe)
     stage = Stage(units, range(len(units)))
     params = stage.init(seed, xp, dtype)
     ds = dataset if dataset is not None else build_dataset(data, model, seed)

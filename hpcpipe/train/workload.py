@@ -87,7 +87,8 @@ def run(ctx: RunContext) -> None:
     m = schedule.num_microbatches
     rows_mb = _check_batch(ctx, m)
 
-    units = build_model(cfg.model)
+    group = _expert_group(ctx)
+    units = build_model(cfg.model, cfg.moe, group)
     ranges = _stage_ranges(ctx, len(units), schedule.num_stages, units)
     mine = schedule.stages_of_rank[coords["pp"]]
     stages = {s: Stage(units, ranges[s]) for s in mine}
@@ -110,6 +111,7 @@ def run(ctx: RunContext) -> None:
         bucket_bytes=int(cfg.train.bucket_mb * 2**20),
         world_rank=ctx.rank,
         recorder=rec,
+        expert_dp_comm=ctx.comms.expert_dp,
     )
     ctx.log(
         f"train: model={cfg.model.kind} units={len(units)} schedule={schedule.name} "
@@ -180,11 +182,20 @@ def run(ctx: RunContext) -> None:
             ("peak_microbatches", peak_units),
         ):
             history[key].append(float(value))
+        moe_text = ""
+        if cfg.moe.enabled:
+            figures = _moe_figures(ctx, runner.moe_stats)
+            for key, value in figures.items():
+                history.setdefault(f"moe_{key}", []).append(value)
+            moe_text = (
+                f" tok/expert={figures['min']:.0f}/{figures['mean']:.1f}/{figures['max']:.0f}"
+                f" dropped={figures['dropped'] * 100:.1f}% aux={figures['aux']:.3f}"
+            )
         if step % cfg.run.log_every == 0 or step == steps - 1:
             ctx.log(
                 f"step {step + 1}/{steps} loss={loss:.4f} tok/s={tokens / dt:.0f} "
                 f"bubble={bubble * 100:.1f}% mem={peak_bytes / 2**20:.2f}MiB "
-                f"live_mb={peak_units:g} gnorm={math.sqrt(sq_norm):.3f}"
+                f"live_mb={peak_units:g} gnorm={math.sqrt(sq_norm):.3f}{moe_text}"
             )
 
     if rec.enabled:
@@ -213,14 +224,69 @@ def run(ctx: RunContext) -> None:
 def _reduce_scalars(
     ctx: RunContext, runner: PipelineRank, result: StepResult
 ) -> tuple[float, float]:
-    """Global mean loss (last-stage ranks hold it) and the global squared gradient norm."""
-    coords = ctx.rankmap.coords(ctx.rank)
-    # loss: only last-stage ranks hold a part (one per dp replica); norm: the stages of replica
-    # dp = 0 (after the dp allreduce every replica holds identical gradients)
-    local = np.array([result.loss_sum, runner.local_sq_norm() if coords["dp"] == 0 else 0.0])
-    total = np.zeros(2)
+    """Global mean loss (last-stage ranks hold it) and the global squared gradient norm.
+
+    After the reductions every dp replica holds the same dense gradients, and every expert
+    group the same expert gradients: the norm takes dense parts from replica dp = 0 and expert
+    parts from the first expert group (dp < ep), so nothing is counted twice.
+    """
+    dp = ctx.rankmap.coords(ctx.rank)["dp"]
+    dense, expert = runner.local_sq_norms()
+    local = np.array(
+        [result.loss_sum, dense if dp == 0 else 0.0, expert if dp < ctx.rankmap.ep else 0.0]
+    )
+    total = np.zeros(3)
     ctx.comms.world.Allreduce(local, total, op=MPI.SUM)
-    return float(total[0]), float(total[1])
+    return float(total[0]), float(total[1] + total[2])
+
+
+def _moe_figures(ctx: RunContext, stats: list[Any]) -> dict[str, float]:
+    """Kept tokens per expert (min/mean/max over layers, microbatches and ranks), dropped
+    fraction and mean aux loss of this step, over the whole world."""
+    from hpcpipe.moe import summarize_stats
+
+    local = summarize_stats(stats)
+    n = 1.0 if local else 0.0
+    lo = np.array([local.get("tokens_per_expert_min", np.inf)])
+    hi = np.array([local.get("tokens_per_expert_max", -np.inf)])
+    sums = np.array(
+        [n]
+        + [
+            n * local.get(k, 0.0)
+            for k in ("tokens_per_expert_mean", "dropped_fraction", "aux_loss")
+        ]
+    )
+    world = ctx.comms.world
+    world.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+    world.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+    world.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    count = max(sums[0], 1.0)
+    return {
+        "min": float(lo[0]),
+        "max": float(hi[0]),
+        "mean": float(sums[1] / count),
+        "dropped": float(sums[2] / count),
+        "aux": float(sums[3] / count),
+    }
+
+
+def _expert_group(ctx: RunContext):
+    """The expert-parallel exchange for MoE decks (None for dense models)."""
+    moe = ctx.config.moe
+    if not moe.enabled:
+        return None
+    from hpcpipe.moe import ExpertGroup, check_moe
+
+    check_moe(
+        moe,
+        ep=ctx.rankmap.ep,
+        layers=ctx.config.model.layers,
+        kind=ctx.config.model.kind,
+        source=ctx.config.source,
+    )
+    return ExpertGroup.from_comms(
+        ctx.comms, moe.experts, hierarchical=moe.hierarchical, cuda_aware=ctx.backend.cuda_aware
+    )
 
 
 def _report_non_finite(
@@ -230,7 +296,12 @@ def _report_non_finite(
     bad = [
         s
         for s in runner.stages
-        if not math.isfinite(float(ctx.xp.sum(runner.grads[s].flat.astype(ctx.xp.float64))))
+        if not math.isfinite(
+            sum(
+                float(ctx.xp.sum(b[s].flat.astype(ctx.xp.float64)))
+                for b in (runner.grads, runner.expert_grads)
+            )
+        )
     ]
     everyone = ctx.comms.world.allgather((coords["pp"], bad))
     stages = sorted({s for _, ss in everyone for s in ss})
@@ -337,21 +408,23 @@ def _report_timing(
 def _gather_params(
     ctx: RunContext, params: dict[int, Any], coords: dict[str, int]
 ) -> dict[int, dict[str, np.ndarray]] | None:
-    """Every parameter on rank 0, from the replica dp = 0 (replicas are identical)."""
-    mine = None
-    if coords["dp"] == 0:
-        mine = {
-            i: {k: ctx.backend.to_host(v) for k, v in p.items()}
-            for s in params
-            for i, p in params[s].items()
-        }
+    """Every parameter on rank 0: dense ones from replica dp = 0, experts from dp < ep."""
+    from hpcpipe.moe.layer import is_expert_param
+
+    dense_owner, expert_owner = coords["dp"] == 0, coords["dp"] < ctx.rankmap.ep
+    mine: dict[int, dict[str, np.ndarray]] = {}
+    for s in params:
+        for i, p in params[s].items():
+            for k, v in p.items():
+                if expert_owner if is_expert_param(k) else dense_owner:
+                    mine.setdefault(i, {})[k] = ctx.backend.to_host(v)
     parts = ctx.comms.world.gather(mine, root=0)
     if ctx.rank != 0:
         return None
     merged: dict[int, dict[str, np.ndarray]] = {}
     for part in parts:
-        if part:
-            merged.update(part)
+        for i, p in part.items():
+            merged.setdefault(i, {}).update(p)
     return dict(sorted(merged.items()))
 
 
@@ -399,6 +472,7 @@ def _verify(
         seed=cfg.run.seed,
         microbatches=m * ctx.rankmap.dp,
         dtype=cfg.device.dtype,
+        moe=cfg.moe,
     )
     worst_loss = max(
         abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref.losses, strict=True)
