@@ -28,8 +28,8 @@ def test_every_shipped_deck_loads():
 
 def test_defaults_and_frozen_sections():
     cfg = load_config(None)
-    assert cfg.run.workload == "topology"
-    assert cfg.topology.order == "ep,dp,pp"
+    assert cfg.run.workload == "train" and cfg.train.verify
+    assert cfg.topology.pp == 2 and cfg.pipeline.schedule == "zb-v"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.run.steps = 3  # type: ignore[misc]
 
