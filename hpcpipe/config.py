@@ -37,9 +37,12 @@ class ConfigError(ValueError):
     """Bad input: the message names the file, the dotted key, what was given and what is allowed."""
 
     def __init__(self, source: str, key: str, message: str):
-        self.source, self.key = source, key
+        self.source, self.key, self.message = source, key, message
         where = f"{source}: {key}" if key else source
         super().__init__(f"{where} {message}" if key else f"{where}: {message}")
+
+    def __reduce__(self):  # picklable, so one rank can broadcast the error to the others
+        return (type(self), (self.source, self.key, self.message))
 
 
 def option(

@@ -1,6 +1,7 @@
 """Deliberate faults for testing that failures end the whole job (never a hang).
 
-Set `HPCPIPE_INJECT_FAULT="rank=3,at=topology,kind=raise"` (kind: raise, exit, kill, hang; `at`
+Set `HPCPIPE_INJECT_FAULT="rank=3,at=topology,kind=raise"` (kind: raise, exit, kill, hang, or
+usr1, which sends the process the scheduler's time-limit warning; `at`
 names an injection point such as `topology`, `step:5`, `forward`, `allreduce`, `checkpoint`).
 Unset, `maybe_fail` costs one dictionary lookup.
 """
@@ -40,7 +41,10 @@ def maybe_fail(point: str, rank: int) -> None:
         os._exit(3)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "usr1":
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return
     if kind == "hang":
         while True:
             time.sleep(1)
-    raise ValueError(f"HPCPIPE_INJECT_FAULT: kind = {kind!r} is not raise, exit, kill or hang")
+    raise ValueError(f"HPCPIPE_INJECT_FAULT: kind = {kind!r} is not raise, exit, kill, usr1, hang")

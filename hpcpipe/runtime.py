@@ -150,7 +150,13 @@ def run_job(
             ) from None
     world.Barrier()
     ctx = RunContext(
-        config=config, rankmap=rankmap, comms=comms, backend=backend, output=output, verbose=verbose
+        config=config,
+        rankmap=rankmap,
+        comms=comms,
+        backend=backend,
+        output=output,
+        verbose=verbose,
+        resume=resume,
     )
     workload = _resolve_workload(config.run.workload)
     ctx.log(

@@ -15,10 +15,12 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpipe.config import ConfigError, dump_toml
+from hpcpipe.faults import maybe_fail
 from hpcpipe.io.trace import EventKind, write_trace
 from hpcpipe.model.models import boundary_shape, build_model, partition
 from hpcpipe.model.stage import Stage
 from hpcpipe.runtime import RunContext
+from hpcpipe.train.checkpointing import StopSignal, restore, save, write_status
 from hpcpipe.train.data import build_dataset
 from hpcpipe.train.optim import apply_update, clip_scale, init_state, learning_rate
 from hpcpipe.train.pipeline import PipelineRank, StepResult
@@ -79,90 +81,136 @@ def _stage_ranges(ctx: RunContext, n_units: int, n_stages: int, units) -> list[r
 
 
 def run(ctx: RunContext) -> None:
+    """Train `run.steps` steps (from a checkpoint with --resume); stop early and checkpoint on
+    SIGUSR1/SIGTERM (a scheduler's time-limit warning)."""
     cfg = ctx.config
-    xp, dtype = ctx.xp, ctx.backend.dtype
-    pp_comm, dp_comm = ctx.comms.group("pp"), ctx.comms.group("dp")
-    coords = ctx.rankmap.coords(ctx.rank)
-    schedule, lowered = _schedule(ctx)
-    m = schedule.num_microbatches
-    rows_mb = _check_batch(ctx, m)
+    trainer = Trainer(ctx)
+    start = trainer.restore() if ctx.resume else 0
+    stop = StopSignal()
+    every, steps = cfg.checkpoint.every, cfg.run.steps
+    state, last, done = "finished", None, start
+    try:
+        for step in range(start, steps):
+            stopping = trainer.step(step, stop)
+            done = step + 1
+            if stopping:
+                last, state = trainer.checkpoint(done), "preempted"
+                ctx.log(
+                    f"stopping on signal after step {done}/{steps}: checkpoint {last}; "
+                    "resume with --resume"
+                )
+                break
+            if every and (done % every == 0 or done == steps):
+                last = trainer.checkpoint(done)
+    finally:
+        stop.restore()
+    write_status(ctx, state, done, last)
+    trainer.finish(complete=state == "finished")
 
-    group = _expert_group(ctx)
-    units = build_model(cfg.model, cfg.moe, group)
-    ranges = _stage_ranges(ctx, len(units), schedule.num_stages, units)
-    mine = schedule.stages_of_rank[coords["pp"]]
-    stages = {s: Stage(units, ranges[s]) for s in mine}
-    params = {s: stages[s].init(cfg.run.seed, xp, dtype) for s in mine}
-    opt_state = {s: init_state(cfg.optim, params[s]) for s in mine}
-    dataset = build_dataset(cfg.data, cfg.model, cfg.run.seed, source=cfg.source)
-    rec = cfg.trace.recorder(ctx.rank)
-    if rec.enabled:
-        rec.align_clock(ctx.comms.world)
-    runner = PipelineRank(
-        lowered,
-        coords["pp"],
-        stages,
-        params,
-        pp_comm=pp_comm,
-        dp_comm=dp_comm,
-        backend=ctx.backend,
-        act_shape=boundary_shape(cfg.model, rows_mb),
-        recv_lookahead=cfg.train.recv_lookahead,
-        bucket_bytes=int(cfg.train.bucket_mb * 2**20),
-        world_rank=ctx.rank,
-        recorder=rec,
-        expert_dp_comm=ctx.comms.expert_dp,
-    )
-    ctx.log(
-        f"train: model={cfg.model.kind} units={len(units)} schedule={schedule.name} "
-        f"stages={schedule.num_stages} microbatches={m} rows/mb={rows_mb} "
-        f"stage_units={[len(r) for r in ranges]}"
-        + (f" optimal_loss={dataset.optimal_loss:.4f}" if dataset.optimal_loss else "")
-    )
 
-    needs_data = any(stages[s].is_first or stages[s].is_last for s in mine)
-    tokens = cfg.data.global_batch * cfg.model.seq_len
-    weight = rows_mb / cfg.data.global_batch  # each microbatch's share of the global mean loss
-    history: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "loss",
-            "grad_norm",
-            "lr",
-            "step_time",
-            "tokens_per_s",
-            "bubble",
-            "peak_bytes",
-            "peak_microbatches",
+class Trainer:
+    """One rank's share of a training run: its stages, parameters, optimizer state, runtime."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        cfg = self.cfg = ctx.config
+        xp, dtype = ctx.xp, ctx.backend.dtype
+        self.coords = ctx.rankmap.coords(ctx.rank)
+        self.schedule, self.lowered = _schedule(ctx)
+        self.m = m = self.schedule.num_microbatches
+        self.rows_mb = _check_batch(ctx, m)
+        self.group = _expert_group(ctx)
+        units = build_model(cfg.model, cfg.moe, self.group)
+        ranges = _stage_ranges(ctx, len(units), self.schedule.num_stages, units)
+        self.mine = self.schedule.stages_of_rank[self.coords["pp"]]
+        stages = {s: Stage(units, ranges[s]) for s in self.mine}
+        self.params = {s: stages[s].init(cfg.run.seed, xp, dtype) for s in self.mine}
+        self.opt_state = {s: init_state(cfg.optim, self.params[s]) for s in self.mine}
+        self.dataset = build_dataset(cfg.data, cfg.model, cfg.run.seed, source=cfg.source)
+        self.rec = cfg.trace.recorder(ctx.rank)
+        if self.rec.enabled:
+            self.rec.align_clock(ctx.comms.world)
+        self.runner = PipelineRank(
+            self.lowered,
+            self.coords["pp"],
+            stages,
+            self.params,
+            pp_comm=ctx.comms.group("pp"),
+            dp_comm=ctx.comms.group("dp"),
+            backend=ctx.backend,
+            act_shape=boundary_shape(cfg.model, self.rows_mb),
+            recv_lookahead=cfg.train.recv_lookahead,
+            bucket_bytes=int(cfg.train.bucket_mb * 2**20),
+            world_rank=ctx.rank,
+            recorder=self.rec,
+            expert_dp_comm=ctx.comms.expert_dp,
         )
-    }
-    steps = cfg.run.steps
-    action_log: list[dict[tuple[str, int], float]] = []
-    pipe_times: list[float] = []
-    for step in range(steps):
+        self.needs_data = any(stages[s].is_first or stages[s].is_last for s in self.mine)
+        self.history: dict[str, list[float]] = {}
+        self.action_log: list[dict[tuple[str, int], float]] = []
+        self.pipe_times: list[float] = []
+        ctx.log(
+            f"train: model={cfg.model.kind} units={len(units)} schedule={self.schedule.name} "
+            f"stages={self.schedule.num_stages} microbatches={m} rows/mb={self.rows_mb} "
+            f"stage_units={[len(r) for r in ranges]}"
+            + (
+                f" optimal_loss={self.dataset.optimal_loss:.4f}"
+                if self.dataset.optimal_loss
+                else ""
+            )
+        )
+
+    def restore(self) -> int:
+        """Load the checkpoint named by --resume; returns the step to continue from."""
+        start, self.history = restore(self.ctx, self.params, self.opt_state)
+        self.runner.params = self.params
+        return start
+
+    def checkpoint(self, done: int) -> Path:
+        t0 = self.rec.now()
+        path = save(self.ctx, done, self.params, self.opt_state, self.history)
+        if self.rec.enabled:
+            self.rec.record(EventKind.CHECKPOINT, -1, -1, t0, self.rec.now())
+        self.ctx.log(f"checkpoint: {path}")
+        return path
+
+    def step(self, step: int, stop: StopSignal | None = None) -> bool:
+        """One optimizer step; returns True when any rank was asked to stop."""
+        ctx, cfg, rec, m, rows = self.ctx, self.cfg, self.rec, self.m, self.rows_mb
+        steps = cfg.run.steps
         t0 = time.perf_counter()
+        maybe_fail(f"step:{step}", ctx.rank)
         rec.begin_step(step)
         t_step = rec.now()
         inputs = targets = None
-        if needs_data:
-            x, t = dataset.shard(step, coords["dp"], ctx.rankmap.dp)
-            inputs = [xp.asarray(x[k * rows_mb : (k + 1) * rows_mb]) for k in range(m)]
-            targets = [xp.asarray(t[k * rows_mb : (k + 1) * rows_mb]) for k in range(m)]
-        result = runner.step(step, inputs, targets, weight)
+        if self.needs_data:
+            x, t = self.dataset.shard(step, self.coords["dp"], ctx.rankmap.dp)
+            inputs = [ctx.xp.asarray(x[k * rows : (k + 1) * rows]) for k in range(m)]
+            targets = [ctx.xp.asarray(t[k * rows : (k + 1) * rows]) for k in range(m)]
+        # each microbatch's share of the global mean loss: summed gradients are the global mean's
+        weight = rows / cfg.data.global_batch
+        result = self.runner.step(step, inputs, targets, weight)
         if step > 0 or steps == 1:  # step 0 pays for first-touch allocations: warm-up
-            action_log.append(result.action_times)
-            pipe_times.append(result.step_time)
-        loss, sq_norm = _reduce_scalars(ctx, runner, result)
+            self.action_log.append(result.action_times)
+            self.pipe_times.append(result.step_time)
+        loss, sq_norm, stopping = _reduce_scalars(
+            ctx, self.runner, result, stop.flag if stop is not None else 0.0
+        )
         if not (math.isfinite(loss) and math.isfinite(sq_norm)):
-            _report_non_finite(ctx, runner, step, loss, sq_norm)
+            _report_non_finite(ctx, self.runner, step, loss, sq_norm)
         lr = learning_rate(cfg.optim, step, steps)
         scale = clip_scale(sq_norm, cfg.optim.grad_clip)
         t_opt = rec.now()
-        for s in mine:
-            params[s], opt_state[s] = apply_update(
-                cfg.optim, params[s], runner.grads_tree(s), opt_state[s], lr, grad_scale=scale
+        for s in self.mine:
+            self.params[s], self.opt_state[s] = apply_update(
+                cfg.optim,
+                self.params[s],
+                self.runner.grads_tree(s),
+                self.opt_state[s],
+                lr,
+                grad_scale=scale,
             )
-        runner.params = params
+        self.runner.params = self.params
         ctx.backend.synchronize()
         if rec.enabled:
             rec.record(EventKind.OPTIMIZER, -1, -1, t_opt, rec.now())
@@ -170,60 +218,78 @@ def run(ctx: RunContext) -> None:
                 EventKind.STEP, -1, -1, t_step, rec.now(), result.peak_live_bytes, value=loss
             )
         dt = time.perf_counter() - t0
+        self._log_step(step, result, loss, sq_norm, lr, dt)
+        return stopping
+
+    def _log_step(
+        self, step: int, result: StepResult, loss: float, sq_norm: float, lr: float, dt: float
+    ) -> None:
+        ctx, cfg = self.ctx, self.cfg
+        tokens = cfg.data.global_batch * cfg.model.seq_len
         bubble, peak_bytes, peak_units = _step_figures(ctx, result, dt)
-        for key, value in (
-            ("loss", loss),
-            ("grad_norm", math.sqrt(sq_norm)),
-            ("lr", lr),
-            ("step_time", dt),
-            ("tokens_per_s", tokens / dt),
-            ("bubble", bubble),
-            ("peak_bytes", peak_bytes),
-            ("peak_microbatches", peak_units),
-        ):
-            history[key].append(float(value))
+        figures = {
+            "loss": loss,
+            "grad_norm": math.sqrt(sq_norm),
+            "lr": lr,
+            "step_time": dt,
+            "tokens_per_s": tokens / dt,
+            "bubble": bubble,
+            "peak_bytes": peak_bytes,
+            "peak_microbatches": peak_units,
+        }
         moe_text = ""
         if cfg.moe.enabled:
-            figures = _moe_figures(ctx, runner.moe_stats)
-            for key, value in figures.items():
-                history.setdefault(f"moe_{key}", []).append(value)
+            moe = _moe_figures(ctx, self.runner.moe_stats)
+            figures.update({f"moe_{k}": v for k, v in moe.items()})
             moe_text = (
-                f" tok/expert={figures['min']:.0f}/{figures['mean']:.1f}/{figures['max']:.0f}"
-                f" dropped={figures['dropped'] * 100:.1f}% aux={figures['aux']:.3f}"
+                f" tok/expert={moe['min']:.0f}/{moe['mean']:.1f}/{moe['max']:.0f}"
+                f" dropped={moe['dropped'] * 100:.1f}% aux={moe['aux']:.3f}"
             )
-        if step % cfg.run.log_every == 0 or step == steps - 1:
+        for key, value in figures.items():
+            self.history.setdefault(key, []).append(float(value))
+        if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
             ctx.log(
-                f"step {step + 1}/{steps} loss={loss:.4f} tok/s={tokens / dt:.0f} "
+                f"step {step + 1}/{cfg.run.steps} loss={loss:.4f} tok/s={tokens / dt:.0f} "
                 f"bubble={bubble * 100:.1f}% mem={peak_bytes / 2**20:.2f}MiB "
                 f"live_mb={peak_units:g} gnorm={math.sqrt(sq_norm):.3f}{moe_text}"
             )
 
-    if rec.enabled:
-        path = cfg.trace.resolve_path(ctx.output)
-        write_trace(
-            ctx.comms.world,
-            path,
-            rec,
-            {"config": cfg, "topology": ctx.rankmap, "schedule": lowered, "workload": "train"},
+    def finish(self, complete: bool) -> None:
+        """Trace, memory and timing reports, metrics file, parameters, verification."""
+        ctx, cfg = self.ctx, self.cfg
+        if self.rec.enabled:
+            path = cfg.trace.resolve_path(ctx.output)
+            meta = {
+                "config": cfg,
+                "topology": ctx.rankmap,
+                "schedule": self.lowered,
+                "workload": "train",
+            }
+            write_trace(ctx.comms.world, path, self.rec, meta)
+            ctx.log(
+                f"trace: {path} ({len(self.rec.events)} events on rank 0); "
+                f"hpcpipe trace summary {path}"
+            )
+        _report_activation_memory(ctx, self.schedule, self.runner)
+        step_times = self.history.get("step_time", [])
+        timing = _report_timing(
+            ctx, self.schedule, self.action_log, self.pipe_times, step_times[1:] or step_times
         )
-        ctx.log(f"trace: {path} ({len(rec.events)} events on rank 0); hpcpipe trace summary {path}")
-    _report_activation_memory(ctx, schedule, runner, history)
-    timing = _report_timing(
-        ctx, schedule, action_log, pipe_times, history["step_time"][1:] or history["step_time"]
-    )
-    final = _gather_params(ctx, params, coords)
-    if ctx.rank == 0:
-        _write_metrics(ctx.output / "metrics.h5", history, cfg, timing)
-        if cfg.train.save_params:
-            _write_params(ctx.output / "params.h5", final)
-    if cfg.train.verify and ctx.rank == 0:
-        _verify(ctx, history["loss"], final, m)
-    ctx.comms.world.Barrier()
+        final = _gather_params(ctx, self.params, self.coords)
+        if ctx.rank == 0:
+            _write_metrics(ctx.output / "metrics.h5", self.history, cfg, timing)
+            if cfg.train.save_params:
+                _write_params(ctx.output / "params.h5", final)
+        if cfg.train.verify and complete and ctx.rank == 0:
+            _verify(ctx, self.history["loss"], final, self.m)
+        ctx.comms.world.Barrier()
+        if self.group is not None:
+            self.group.free()
 
 
 def _reduce_scalars(
-    ctx: RunContext, runner: PipelineRank, result: StepResult
-) -> tuple[float, float]:
+    ctx: RunContext, runner: PipelineRank, result: StepResult, stop_flag: float = 0.0
+) -> tuple[float, float, bool]:
     """Global mean loss (last-stage ranks hold it) and the global squared gradient norm.
 
     After the reductions every dp replica holds the same dense gradients, and every expert
@@ -233,11 +299,16 @@ def _reduce_scalars(
     dp = ctx.rankmap.coords(ctx.rank)["dp"]
     dense, expert = runner.local_sq_norms()
     local = np.array(
-        [result.loss_sum, dense if dp == 0 else 0.0, expert if dp < ctx.rankmap.ep else 0.0]
+        [
+            result.loss_sum,
+            dense if dp == 0 else 0.0,
+            expert if dp < ctx.rankmap.ep else 0.0,
+            stop_flag,
+        ]
     )
-    total = np.zeros(3)
-    ctx.comms.world.Allreduce(local, total, op=MPI.SUM)
-    return float(total[0]), float(total[1] + total[2])
+    total = np.zeros(4)
+    ctx.comms.world.Allreduce(local, total, op=MPI.SUM)  # one collective for all of them
+    return float(total[0]), float(total[1] + total[2]), bool(total[3] > 0)
 
 
 def _moe_figures(ctx: RunContext, stats: list[Any]) -> dict[str, float]:
@@ -323,9 +394,7 @@ def _step_figures(ctx: RunContext, result: StepResult, dt: float) -> tuple[float
     return max(0.0, 1.0 - mean_compute / dt), int(peaks[1]), float(peaks[2])
 
 
-def _report_activation_memory(
-    ctx: RunContext, schedule, runner: PipelineRank, history: dict[str, list[float]]
-) -> None:
+def _report_activation_memory(ctx: RunContext, schedule, runner: PipelineRank) -> None:
     """Measured peak live activations per pipeline rank next to the simulator's prediction.
 
     Memory on a rank depends only on its own action order (F allocates, W frees), so the
