@@ -63,7 +63,7 @@ hpcpipe_main() {
 
   if [ "${HPCPIPE_DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${launch[@]}"; echo
-    "$python" -m hpcpipe "${args[@]}" --dry-run
+    "$python" -m hpcpipe plan "$deck" --world "$SLURM_NTASKS" "${sets[@]}" --show-config
     return 0
   fi
 
