@@ -109,3 +109,31 @@ def mpirun():
 def cli():
     """Fixture form of `run_cli`."""
     return run_cli
+
+
+@cache
+def launched_h5py_is_parallel() -> bool:
+    """Whether h5py has MPI under the launcher (Debian's h5py picks its MPI build only there)."""
+    cmd = [
+        *mpiexec_command(),
+        "-n",
+        "1",
+        sys.executable,
+        "-c",
+        "import h5py; print(h5py.get_config().mpi)",
+    ]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.strip().endswith("True")
+
+
+@pytest.fixture
+def parallel_h5py():
+    """Skip unless h5py is built with parallel HDF5 (fail instead where the lane requires it)."""
+    if not launched_h5py_is_parallel():
+        why = "h5py under mpiexec is serial (h5py.get_config().mpi is False)"
+        if os.environ.get("HPCPIPE_REQUIRE_PARALLEL_H5PY"):
+            pytest.fail(f"this lane requires parallel HDF5: {why}")
+        pytest.skip(why)

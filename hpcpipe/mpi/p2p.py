@@ -54,7 +54,8 @@ class Mailbox:
     bytes_received: int = 0
 
     def __post_init__(self) -> None:
-        self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB))
+        # TAG_UB is guaranteed on COMM_WORLD only (Open MPI does not copy it to derived comms)
+        self.tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
 
     def send(self, array: Any, peer: int, stage: int, microbatch: int, direction: int) -> None:
         """Start sending `array` (for `stage` on `peer`); it must not change until `drain`."""

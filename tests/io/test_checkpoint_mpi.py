@@ -137,10 +137,7 @@ def test_bad_saves_fail_on_every_rank_and_leave_nothing(tmp_path):
     assert verify_checkpoint(root) == []
 
 
-@pytest.mark.skipif(
-    not h5py.get_config().mpi, reason="h5py here is serial (h5py.get_config().mpi is False)"
-)
-def test_shared_layout_loads_like_shards(tmp_path):
+def test_shared_layout_loads_like_shards(tmp_path, parallel_h5py):
     root = tmp_path / "checkpoints"
     rc, _, out = driver(4, "save", str(root), "5", "--layout", "shared")
     assert rc == 0, out
