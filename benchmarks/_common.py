@@ -1,4 +1,10 @@
-"""Shared helpers for the benchmark scripts: launch hpcpipe under mpiexec, save results."""
+"""Shared helpers for the benchmark scripts: run `hpcpipe bench` under mpiexec, plot, save.
+
+Each script in benchmarks/ is one published figure: it runs one `hpcpipe bench` subcommand
+(the measuring lives in hpcpipe/bench), which prints its table and writes
+benchmarks/results/<figure>.json; some also draw benchmarks/results/<figure>.png. Arguments a
+script does not know are passed on to the benchmark, e.g. `--repeats 7`.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +40,47 @@ def run_hpcpipe(n: int, args: list[str], timeout: float = 1800) -> str:
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
+
+
+def bench(
+    figure: str, ranks: int, name: str, args: list[str], env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`mpiexec -n RANKS hpcpipe bench NAME ARGS --json results/FIGURE.json`, its table shown
+    as it is measured; returns the JSON it wrote."""
+    out = RESULTS / f"{figure}.json"
+    rel = out.relative_to(ROOT)
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "hpcpipe", "bench", name]
+    cmd += [*args, "--json", str(rel)]
+    print(f"$ mpiexec -n {ranks} hpcpipe bench {name} {' '.join([*args, '--json', str(rel)])}")
+    sys.stdout.flush()
+    proc = subprocess.run(
+        cmd, cwd=ROOT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, check=False
+    )
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}")
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot with a file backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print("# matplotlib not installed: no figure (pip install 'hpcpipe[plot]')")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, figure: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{figure}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"# wrote {path.relative_to(ROOT)}")
+    return path
 
 
 def save_json(name: str, payload: dict[str, Any]) -> Path:

@@ -21,7 +21,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcpipe.bench.table import Column, Report
 from hpcpipe.io.trace import EventKind, Recorder
 from hpcpipe.model.config import ModelConfig
 from hpcpipe.model.models import build_model
@@ -143,6 +143,15 @@ def step_times(cfg: ModelConfig, rows: int, m: int, steps: int) -> dict[str, flo
     }
 
 
+COLUMNS = [
+    Column("model", "model", "", 26, "<"),
+    Column("step_ms", "step_ms", ".3f", 9),
+    Column("events_per_step", "events", ".0f", 7),
+    Column("estimate_pct", "estimate %", ".3f", 10),
+    Column("measured_pct", "measured %", ".2f", 10),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=1_000_000, help="tight-loop iterations")
@@ -153,52 +162,53 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     ev = per_event(args.events)
-    print("# trace recorder, per event (tight loop, best of 5)")
-    print(f"{'empty loop':>22} {ev['loop_ns']:8.1f} ns/iter")
-    print(f"{'hook, tracing off':>22} {ev['off_ns']:8.1f} ns/event (over the empty loop)")
-    print(f"{'hook, tracing on':>22} {ev['on_ns']:8.1f} ns/event (clock read + row store)")
-    print()
-    print("# share of a training step (one stage, F/B/W per microbatch, 5 hooks per microbatch)")
-    print(f"{'model':<26} {'step_ms':>9} {'events':>7} {'estimate':>9} {'measured':>9}")
-    rows = []
+    report = Report(
+        "trace_overhead",
+        [
+            f"trace recorder per event (tight loop, best of 5): empty loop {ev['loop_ns']:.1f} "
+            f"ns/iter; hook with tracing off {ev['off_ns']:.1f} ns/event, on "
+            f"{ev['on_ns']:.1f} ns/event (clock read + row store)",
+            "share of a training step (one stage, F/B/W per microbatch, 5 hooks per "
+            "microbatch): estimate = events x per-event cost / step; measured = on / off - 1 "
+            "(fastest steps, interleaved)",
+        ],
+        COLUMNS,
+        params={"events": args.events, "steps": args.steps},
+        stream=True,
+    )
+    report.start()
     for name, (cfg, rows_mb, m) in MODELS.items():
         st = step_times(cfg, rows_mb, m, args.steps)
         estimate = st["events_per_step"] * ev["on_ns"] / st["off_ns"]
         measured = st["on_ns"] / st["off_ns"] - 1.0
-        rows.append(
+        report.add(
             {
                 "model": name,
                 "rows_per_microbatch": rows_mb,
                 "microbatches": m,
+                "step_ms": st["off_ns"] / 1e6,
                 **st,
-                "estimate": estimate,
-                "measured": measured,
+                "estimate_pct": 100 * estimate,
+                "measured_pct": 100 * measured,
             }
         )
-        print(
-            f"{name:<26} {st['off_ns'] / 1e6:9.3f} {st['events_per_step']:7.0f} "
-            f"{100 * estimate:8.3f}% {100 * measured:8.2f}%"
-        )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "trace_overhead",
-                "python": sys.version.split()[0],
-                "numpy": np.__version__,
-                "machine": platform.machine(),
-                "cpus": os.cpu_count(),
-                "load_average": os.getloadavg(),  # other work on the machine inflates every figure
-                "per_event": ev,
-                "steps": rows,
-            },
-            indent=2,
-        )
-        + "\n",
-        encoding="utf-8",
+    worst = max(r["estimate_pct"] for r in report.rows)
+    report.summary |= {"per_event": ev, "max_estimate_pct": worst}
+    report.note(
+        f"worst estimated overhead {worst:.3f}% (target <= 2%: {'met' if worst <= 2 else 'MISSED'})"
     )
-    print(f"\nwrote {out}")
+    out = report.write(
+        args.json,
+        machine={
+            "python": sys.version.split()[0],
+            "numpy": np.__version__,
+            "machine": platform.machine(),
+            "cores": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+        },
+        command="python benchmarks/trace_overhead.py",
+    )
+    print(f"# wrote {out.relative_to(Path(__file__).resolve().parent.parent)}")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Set `HPCPIPE_INJECT_FAULT="rank=3,at=topology,kind=raise"` (kind: raise, exit, kill, hang, or
 usr1, which sends the process the scheduler's time-limit warning; `at`
-names an injection point such as `topology`, `step:5`, `forward`, `allreduce`, `checkpoint`).
+names an injection point such as `topology`, `step:5`, `forward`, `allreduce`, `checkpoint`,
+or `sweep-iteration:2`, the start of a sweep's second source iteration).
 Unset, `maybe_fail` costs one dictionary lookup.
 """
 

@@ -57,11 +57,8 @@ def to_chrome(trace: Trace, steps: Iterable[int] | None = None) -> dict[str, Any
     for r in range(trace.num_ranks):
         label = f"rank {r}"
         if coords:
-            label += (
-                " ("
-                + ", ".join(f"{d} {coords[d][r]}" for d in ("pp", "dp", "ep") if d in coords)
-                + ")"
-            )
+            # pp/dp/ep for training, x/y (the KBA grid) for sweeps
+            label += " (" + ", ".join(f"{d} {values[r]}" for d, values in coords.items()) + ")"
         if r < len(trace.hosts) and trace.hosts[r]:
             label += f" on {trace.hosts[r]}"
         out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": label}})

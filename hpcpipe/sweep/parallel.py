@@ -4,6 +4,12 @@ Receives are pre-posted a few tasks ahead; outgoing faces leave with nonblocking
 private duplicate of the communicator, tagged by task (x face `tag`, y face `tag + 1`), so no
 two messages of a sweep can match the wrong receive and no other traffic can interfere. Sweeps
 are separated by the solver's reductions, so tags may repeat from one sweep to the next.
+
+With a trace recorder each task records one SWEEP_BLOCK event (stage = octant, microbatch =
+the task's index in its octant, `angle_block * z_blocks + z_block`), each face message a SEND
+on the sender and a RECV (the wait) on the receiver with that same (stage, microbatch) tag,
+bytes, the peer's world rank and the axis in `value` (0 = x face, 1 = y face); the drain of
+the last sends is a WAIT and each reduction an ALLREDUCE. Disabled, each hook is one test.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from hpcpipe.io.trace import EventKind, Recorder, world_ranks
 from hpcpipe.sweep.kernel import angle_block, block_order, face_current, sweep_block
 from hpcpipe.sweep.mesh import Problem
 from hpcpipe.sweep.plan import SweepPlan, SweepTask
@@ -46,13 +53,14 @@ class KBASweeper:
         xp: Any = np,
         recv_depth: int = 4,
         device_buffers: bool = False,
+        recorder: Recorder | None = None,
     ):
         if comm.size != plan.ranks:
             raise ValueError(
                 f"the plan is for {plan.px} x {plan.py} = {plan.ranks} ranks but "
                 f"the communicator has {comm.size}"
             )
-        tag_ub = comm.Get_attr(MPI.TAG_UB)
+        tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # guaranteed on COMM_WORLD only
         if tag_ub is not None and plan.max_tag > tag_ub:
             raise ValueError(
                 f"the plan needs message tags up to {plan.max_tag} but this MPI "
@@ -78,6 +86,12 @@ class KBASweeper:
         dx, dy, dz = mesh.spacing
         self._areas = (dy * dz, dx * dz, dx * dy)
         self._face_cells = (by * plan.z_block, bx * plan.z_block, bx * by)
+        self.rec = recorder if recorder is not None else Recorder(self.rank, enabled=False)
+        # trace tags and world-rank peers, computed once so the hooks only index
+        self._tags = [
+            (t.octant, t.angle_block * plan.z_blocks + t.z_block) for t in plan.tasks[self.rank]
+        ]
+        self._world = world_ranks(self.comm).tolist() if recorder is not None else []
 
     # ---------------------------------------------------------------- reductions for the solver
     def allsum(self, values: np.ndarray) -> np.ndarray:
@@ -89,7 +103,10 @@ class KBASweeper:
     def _allreduce(self, values: np.ndarray, op: MPI.Op) -> np.ndarray:
         send = np.ascontiguousarray(values, dtype=np.float64)
         out = np.empty_like(send)
+        t0 = time.perf_counter_ns()
         self.comm.Allreduce(send, out, op=op)
+        if self.rec.enabled:
+            self.rec.record(EventKind.ALLREDUCE, -1, -1, t0, time.perf_counter_ns(), send.nbytes)
         return out
 
     def gather(self, local: np.ndarray) -> np.ndarray | None:
@@ -129,24 +146,28 @@ class KBASweeper:
             posted.append((self.comm.Irecv(buf, source=peer, tag=task.tag + axis), buf))
         return posted
 
-    def _send(self, face: Any, peer: int, tag: int, sends: list) -> None:
+    def _send(self, face: Any, peer: int, tag: int, sends: list) -> int:
+        """Start sending a face downwind; returns its size in bytes."""
         buf = self.xp.asnumpy(face) if self.staged else face
         if self.xp is not np and not self.staged:
             self.xp.cuda.get_current_stream().synchronize()
         sends.append((self.comm.Isend(buf, dest=peer, tag=tag), buf))
+        return int(buf.nbytes)
 
     def sweep(self, q: Any, sigma_t: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """All octants over this rank's block; `q`, `sigma_t` are (cells, G) on this rank."""
         xp, plan, problem = self.xp, self.plan, self.problem
         groups = problem.groups
         tasks = plan.tasks[self.rank]
+        rec, tags, world = self.rec, self._tags, self._world
+        now = time.perf_counter_ns  # the recorder's clock too
         phi = xp.zeros((int(np.prod(plan.local_shape)), groups))
         outflow = np.zeros(groups)
         inflow = np.zeros(groups)
         posted: dict[int, list] = {}
         sends: list = []
-        busy = wait = 0.0
-        start = time.perf_counter()
+        busy = wait = 0
+        start = now()
         for t in range(min(self.recv_depth, len(tasks))):
             posted[t] = self._post(tasks[t])
         fz = None
@@ -155,20 +176,27 @@ class KBASweeper:
                 posted[t + self.recv_depth] = self._post(tasks[t + self.recv_depth])
             angles = self._angles[task.angle_block]
             currents = (angles.wmu, angles.weta, angles.wxi)
+            octant, sub = tags[t]
             faces = []
-            t0 = time.perf_counter()
+            t0 = now()
             for axis, got in enumerate(posted.pop(t)):
                 if got is None:
                     face = self._boundary(axis, task)
                     inflow += self._areas[axis] * _host(xp, face_current(face, currents[axis]))
                 else:
+                    w0 = now()
                     got[0].Wait()
+                    if rec.enabled:
+                        peer = world[(task.recv_x, task.recv_y)[axis]]
+                        rec.record(
+                            EventKind.RECV, octant, sub, w0, now(), got[1].nbytes, peer, axis
+                        )
                     face = xp.asarray(got[1]) if self.staged else got[1]
                 faces.append(face)
             if task.z_block == 0:
                 fz = self._boundary(2, task)
                 inflow += self._areas[2] * _host(xp, face_current(fz, angles.wxi))
-            t1 = time.perf_counter()
+            t1 = now()
             z0, _ = plan.z_range(task.z_block, task.octant)
             sweep_block(
                 xp,
@@ -184,7 +212,9 @@ class KBASweeper:
                 problem.scheme,
                 problem.fixup,
             )
-            t2 = time.perf_counter()
+            t2 = now()
+            if rec.enabled:
+                rec.record(EventKind.SWEEP_BLOCK, octant, sub, t1, t2)
             wait += t1 - t0
             busy += t2 - t1
             for axis, peer in ((0, task.send_x), (1, task.send_y)):
@@ -193,16 +223,25 @@ class KBASweeper:
                         xp, face_current(faces[axis], currents[axis])
                     )
                 else:
-                    self._send(faces[axis], peer, task.tag + axis, sends)
+                    s0 = now()
+                    nbytes = self._send(faces[axis], peer, task.tag + axis, sends)
+                    if rec.enabled:
+                        rec.record(
+                            EventKind.SEND, octant, sub, s0, now(), nbytes, world[peer], axis
+                        )
             if task.z_block == plan.z_blocks - 1:
                 outflow += self._areas[2] * _host(xp, face_current(fz, angles.wxi))
             if len(sends) > 8:
                 done = set(MPI.Request.Testsome([s[0] for s in sends]) or ())
                 sends = [s for i, s in enumerate(sends) if i not in done]
-        t0 = time.perf_counter()
+        t0 = now()
         MPI.Request.Waitall([s[0] for s in sends])
-        end = time.perf_counter()
-        self.timing = SweepTiming(wall=end - start, busy=busy, wait=wait + end - t0)
+        end = now()
+        if rec.enabled:
+            rec.record(EventKind.WAIT, -1, -1, t0, end)
+        self.timing = SweepTiming(
+            wall=(end - start) * 1e-9, busy=busy * 1e-9, wait=(wait + end - t0) * 1e-9
+        )
         return phi, outflow, inflow
 
 

@@ -19,7 +19,9 @@ from hpcpipe.sweep.mesh import Problem
 
 __all__ = [
     "Balance",
+    "Control",
     "ConvergenceError",
+    "Iterate",
     "LocalCells",
     "SerialSweeper",
     "SolveResult",
@@ -139,6 +141,41 @@ class Balance:
 
 
 @dataclass
+class Iterate:
+    """Where source iteration stands: this rank's flux after `iterations` sweeps and the global
+    history that led there. A checkpoint holds exactly this, so a solve continued from it
+    repeats an uninterrupted one bit for bit."""
+
+    phi: Any
+    """Local scalar flux (cells, G) on the array backend."""
+    history: list[float] = field(default_factory=list)
+    """max|dphi| / max|phi| of each iteration so far."""
+    scales: list[float] = field(default_factory=list)
+    """max|phi| of each iteration (tells divergence from slow convergence)."""
+    seconds: list[float] = field(default_factory=list)
+    """Sweep wall time of each iteration (max over ranks)."""
+
+    @property
+    def iterations(self) -> int:
+        return len(self.history)
+
+
+class Control(Protocol):
+    """Job control around each iteration, supplied by the workload so the solver stays MPI-free
+    (fault injection, trace steps, checkpoints, the scheduler's stop signal)."""
+
+    def begin(self, iteration: int) -> None:
+        """Iteration `iteration` (1-based, as the progress line counts) is about to start."""
+
+    def stop_requested(self) -> bool:
+        """This rank was asked to stop; the solver agrees on it over ranks in its allmax."""
+
+    def end(self, iterate: Iterate, final: bool, stopping: bool) -> None:
+        """The iteration is complete on every rank; `final`: the solve ends here (converged,
+        out of iterations or diverged); `stopping`: every rank stops here on a signal."""
+
+
+@dataclass
 class SolveResult:
     """What a solve produced on this rank: local scalar flux (cells, G) and global figures."""
 
@@ -152,6 +189,8 @@ class SolveResult:
     """Measured: kernel time summed over ranks / (ranks x sweep wall time), last sweep."""
     sweep_seconds: list[float] = field(default_factory=list)
     message: str = ""
+    stopped: bool = False
+    """Stopped early on a signal (not converged, not failed): continue with --resume."""
 
 
 def solve(
@@ -163,31 +202,49 @@ def solve(
     max_iterations: int,
     log: Callable[[str], None] = lambda _msg: None,
     log_every: int = 1,
+    start: Iterate | None = None,
+    control: Control | None = None,
 ) -> SolveResult:
-    """Source iteration from phi = 0 until max|dphi| / max|phi| <= tolerance."""
+    """Source iteration from phi = 0 (or from `start`) until max|dphi| / max|phi| <= tolerance.
+
+    `max_iterations` counts the iterations of `start` too. The stop request travels in the
+    iteration's allmax, so every rank leaves after the same iteration.
+    """
     xp = cells.xp
     ranks = sweeper.ranks
     unknowns = problem.mesh.cells * problem.quadrature.total * problem.groups
-    phi = xp.zeros((cells.cells, problem.groups))
-    history: list[float] = []
-    scales: list[float] = []
-    seconds: list[float] = []
+    state = start if start is not None else Iterate(xp.zeros((cells.cells, problem.groups)))
+    if state.iterations >= max_iterations:
+        raise ValueError(
+            f"the solve already has {state.iterations} iterations, max_iterations is "
+            f"{max_iterations}: nothing left to iterate"
+        )
     outflow = inflow = np.zeros(problem.groups)
-    for it in range(1, max_iterations + 1):
+    converged = stopping = False
+    for it in range(state.iterations + 1, max_iterations + 1):
+        if control is not None:
+            control.begin(it)
+        phi = state.phi
         new, outflow, inflow = sweeper.sweep(cells.source(phi), cells.sigma_t)
+        asked = 1.0 if control is not None and control.stop_requested() else 0.0
         local = [float(xp.abs(new - phi).max()), float(xp.abs(new).max()), sweeper.timing.wall]
-        change, scale, wall = (float(v) for v in sweeper.allmax(np.array(local)))
-        phi = new
+        change, scale, wall, stop = (float(v) for v in sweeper.allmax(np.array([*local, asked])))
         dphi = change / scale if scale > 0 else change
-        history.append(dphi)
-        scales.append(scale)
-        seconds.append(wall)
+        state.phi = new
+        state.history.append(dphi)
+        state.scales.append(scale)
+        state.seconds.append(wall)
         grind = wall * ranks / unknowns * 1e9
         converged = dphi <= tolerance
-        if it % log_every == 0 or converged or it == max_iterations or not np.isfinite(dphi):
+        final = converged or it == max_iterations or not np.isfinite(dphi)
+        stopping = stop > 0 and not final
+        if it % log_every == 0 or final or stopping:
             log(f"iter {it} dphi={dphi:.3e} grind_ns={grind:.1f}")
-        if converged or not np.isfinite(dphi):
+        if control is not None:
+            control.end(state, final, stopping)
+        if final or stopping:
             break
+    phi, history, seconds = state.phi, state.history, state.seconds
     busy = float(sweeper.allsum(np.array([sweeper.timing.busy]))[0])
     efficiency = busy / (ranks * seconds[-1]) if seconds[-1] > 0 else 1.0
     sums = sweeper.allsum(
@@ -197,7 +254,9 @@ def solve(
     # grind time over the sweeps after the first (which pays one-off setup)
     steady = seconds[1:] or seconds
     grind_ns = float(np.median(steady)) * ranks / unknowns * 1e9
-    message = "" if converged else _not_converged(problem, history, scales, tolerance)
+    message = ""
+    if not converged and not stopping:
+        message = _not_converged(problem, history, state.scales, tolerance)
     return SolveResult(
         _host(xp, phi),
         len(history),
@@ -206,8 +265,9 @@ def solve(
         balance,
         grind_ns,
         efficiency,
-        seconds,
+        list(seconds),
         message,
+        stopped=stopping,
     )
 
 

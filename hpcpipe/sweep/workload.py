@@ -1,10 +1,13 @@
 """The sweep workload: build the problem and the KBA plan, source-iterate, write flux.h5.
 
-Reads top to bottom: problem -> plan (validated, simulated) -> executor -> solve -> outputs.
+Reads top to bottom: problem -> plan (validated, simulated) -> executor -> (resume) -> solve,
+checkpointing as it goes -> trace, flux.h5 and status.json. A scheduler's time-limit signal
+(SIGUSR1 / SIGTERM) ends the solve after the current iteration with a checkpoint and exit 0.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,12 +16,18 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpipe.config import ConfigError, dump_toml
+from hpcpipe.faults import maybe_fail
+from hpcpipe.io.ckpt_config import CheckpointConfig
+from hpcpipe.io.trace import EventKind, Recorder, write_trace
+from hpcpipe.io.trace_config import TraceConfig
+from hpcpipe.jobcontrol import StopSignal, find_checkpoint, write_status
+from hpcpipe.sweep import checkpointing
 from hpcpipe.sweep.config import SweepConfig
 from hpcpipe.sweep.mesh import build_problem
 from hpcpipe.sweep.output import write_flux, write_slice_png, write_xdmf
 from hpcpipe.sweep.parallel import KBASweeper
-from hpcpipe.sweep.plan import build_plan, validate
-from hpcpipe.sweep.solver import ConvergenceError, LocalCells, SolveResult, solve
+from hpcpipe.sweep.plan import SweepPlan, build_plan, validate
+from hpcpipe.sweep.solver import ConvergenceError, Iterate, LocalCells, SolveResult, solve
 
 __all__ = ["run", "run_sweep"]
 
@@ -35,16 +44,24 @@ def run(ctx: Any) -> None:
             "or set sweep.px / sweep.py to match",
         )
     backend = getattr(ctx, "backend", None)
-    run_sweep(
-        cfg,
-        ctx.comms.world,
-        Path(ctx.output),
-        xp=ctx.xp,
-        log=ctx.log,
-        config_text=dump_toml(ctx.config),
-        device_buffers=bool(getattr(backend, "cuda_aware", False)),
-        log_every=ctx.config.run.log_every,
-    )
+    stop = StopSignal()
+    try:
+        run_sweep(
+            cfg,
+            ctx.comms.world,
+            Path(ctx.output),
+            xp=ctx.xp,
+            log=ctx.log,
+            config_text=dump_toml(ctx.config),
+            device_buffers=bool(getattr(backend, "cuda_aware", False)),
+            log_every=ctx.config.run.log_every,
+            checkpoint=ctx.config.checkpoint,
+            trace=ctx.config.trace,
+            resume=ctx.resume,
+            stop=stop,
+        )
+    finally:
+        stop.restore()
 
 
 def run_sweep(
@@ -57,15 +74,29 @@ def run_sweep(
     config_text: str = "",
     device_buffers: bool = False,
     log_every: int = 1,
+    checkpoint: CheckpointConfig | None = None,
+    trace: TraceConfig | None = None,
+    resume: str | None = None,
+    stop: StopSignal | None = None,
 ) -> SolveResult:
     """Solve one [sweep] problem on `comm`; rank 0 writes outputs under `output` (if given).
 
-    Raises ConvergenceError on every rank (after writing) when the tolerance was not reached.
+    Checkpoints (into `checkpoint.directory(output)`) are written every `checkpoint.every`
+    iterations, after the last one when `every` > 0, and when `stop` caught a signal; `resume`
+    ("latest" or a checkpoint path) continues from one. `trace` records events into trace.h5.
+    With an `output`, status.json tells the job script how the run ended. Raises
+    ConvergenceError on every rank (after writing) when the tolerance was not reached.
     """
     if cfg.px * cfg.py != comm.size:
         raise ValueError(
             f"sweep.px * sweep.py = {cfg.px * cfg.py} must equal the number of ranks ({comm.size})"
         )
+    trace = trace or TraceConfig()
+    settings = checkpoint or CheckpointConfig()
+    if trace.enabled and output is None and not trace.path:
+        raise ValueError("tracing needs an output directory or trace.path")
+    directory = settings.directory(output) if output is not None or settings.dir else None
+
     problem = build_problem(cfg)
     plan = build_plan(
         cfg.px,
@@ -84,8 +115,30 @@ def run_sweep(
         f"predicted_efficiency={predicted.efficiency:.3f}"
     )
 
-    sweeper = KBASweeper(problem, plan, comm, xp, device_buffers=device_buffers)
+    rec = trace.recorder(comm.rank)
+    if rec.enabled:
+        rec.align_clock(comm)
+    sweeper = KBASweeper(
+        problem,
+        plan,
+        comm,
+        xp,
+        device_buffers=device_buffers,
+        recorder=rec if rec.enabled else None,
+    )
     cells = LocalCells(problem, sweeper.x_cells, sweeper.y_cells, xp)
+    owned = (sweeper.x_cells, sweeper.y_cells)
+    start = None
+    if resume is not None:
+        path = find_checkpoint(comm, resume, directory)
+        start, attrs = checkpointing.restore(path, cfg, owned, xp)
+        _check_resumable(path, start, cfg)
+        grid = attrs.get("grid", {})
+        log(
+            f"resumed from {path} at iteration {start.iterations} (written by a "
+            f"{grid.get('px')} x {grid.get('py')} run)"
+        )
+    control = _Control(comm, cfg, owned, settings, directory, rec, stop, config_text, log)
     result = solve(
         problem,
         cells,
@@ -94,46 +147,176 @@ def run_sweep(
         max_iterations=cfg.max_iterations,
         log=log,
         log_every=log_every,
+        start=start,
+        control=control,
     )
-    log(
-        f"sweep done iterations={result.iterations} converged={str(result.converged).lower()} "
-        f"balance={result.balance.relative_error:.2e} grind_ns={result.grind_ns:.1f} "
-        f"efficiency={result.efficiency:.3f} predicted={predicted.efficiency:.3f}"
-    )
-
-    full = sweeper.gather(result.phi.reshape(*cells.shape, problem.groups))
-    if output is not None and comm.rank == 0:
-        assert full is not None
-        attrs = {
-            "iterations": result.iterations,
-            "converged": result.converged,
-            "balance_relative_error": result.balance.relative_error,
-            "balance_source": result.balance.source,
-            "balance_inflow": result.balance.inflow,
-            "balance_absorption": result.balance.absorption,
-            "balance_outflow": result.balance.outflow,
-            "grind_ns": result.grind_ns,
-            "efficiency_measured": result.efficiency,
-            "efficiency_predicted": predicted.efficiency,
-            "predicted_stages": predicted.stages,
-            "ranks": comm.size,
-            "plan": plan.describe(),
-        }
-        output.mkdir(parents=True, exist_ok=True)
-        write_flux(
-            output / "flux.h5",
-            problem,
-            full,
-            config_text=config_text,
-            history=result.history,
-            sweep_seconds=np.array(result.sweep_seconds),
-            attrs=attrs,
+    if result.stopped:
+        log(
+            f"stopping on signal after iteration {result.iterations}/{cfg.max_iterations}: "
+            f"checkpoint {control.last}; resume with --resume"
         )
-        write_xdmf(output / "flux.xmf", "flux.h5", problem)
-        if cfg.plot:
-            write_slice_png(output / "flux_slice.png", problem, full)
-        log(f"sweep wrote {output / 'flux.h5'} and flux.xmf")
+    else:
+        log(
+            f"sweep done iterations={result.iterations} "
+            f"converged={str(result.converged).lower()} "
+            f"balance={result.balance.relative_error:.2e} grind_ns={result.grind_ns:.1f} "
+            f"efficiency={result.efficiency:.3f} predicted={predicted.efficiency:.3f}"
+        )
+
+    if rec.enabled:
+        path = trace.resolve_path(output if output is not None else ".")
+        write_trace(comm, path, rec, _trace_metadata(plan, config_text))
+        log(f"trace: {path} ({len(rec.events)} events on rank 0); hpcpipe trace summary {path}")
+    if not result.stopped:  # every rank agreed on stopping, so all skip the gather together
+        _write_outputs(cfg, problem, plan, predicted, sweeper, cells, result, output, config_text)
+        if output is not None and comm.rank == 0:
+            log(f"sweep wrote {output / 'flux.h5'} and flux.xmf")
+    if output is not None and comm.rank == 0:
+        state = "preempted" if result.stopped else "finished"
+        if not result.converged and not result.stopped:
+            state = "not-converged"
+        write_status(output, state, result.iterations, control.last)
     comm.Barrier()
-    if not result.converged:
+    if not result.converged and not result.stopped:
         raise ConvergenceError(result.message)
     return result
+
+
+def _check_resumable(path: Path, start: Iterate, cfg: SweepConfig) -> None:
+    """Refuse a checkpoint with nothing left to do, saying which deck key to change."""
+    n, last = start.iterations, start.history[-1] if start.history else math.inf
+    if n >= cfg.max_iterations:
+        raise ConfigError(
+            "--resume",
+            "",
+            f"{path} is at iteration {n} and sweep.max_iterations = {cfg.max_iterations}: "
+            "raise sweep.max_iterations to iterate further",
+        )
+    if last <= cfg.tolerance:
+        raise ConfigError(
+            "--resume",
+            "",
+            f"{path} has already converged (dphi={last:.3e} <= sweep.tolerance="
+            f"{cfg.tolerance:g}); lower sweep.tolerance to iterate further",
+        )
+
+
+class _Control:
+    """The workload's side of each iteration (solver.Control): fault injection, the trace
+    step and its STEP event, checkpoints on cadence, at the end and on the stop signal."""
+
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        cfg: SweepConfig,
+        owned: tuple[slice, slice],
+        settings: CheckpointConfig,
+        directory: Path | None,
+        rec: Recorder,
+        stop: StopSignal | None,
+        config_text: str,
+        log: Callable[[str], None],
+    ):
+        self.comm, self.cfg, self.owned = comm, cfg, owned
+        self.settings, self.directory = settings, directory
+        self.rec, self.stop, self.config_text, self.log = rec, stop, config_text, log
+        self.last: Path | None = None
+        self._t0 = 0
+
+    def begin(self, iteration: int) -> None:
+        maybe_fail(f"sweep-iteration:{iteration}", self.comm.rank)
+        self.rec.begin_step(iteration - 1)  # trace steps are 0-based, like [trace] steps
+        self._t0 = self.rec.now()
+
+    def stop_requested(self) -> bool:
+        return self.stop is not None and self.stop.received is not None
+
+    def end(self, iterate: Iterate, final: bool, stopping: bool) -> None:
+        rec, dphi = self.rec, iterate.history[-1]
+        if rec.enabled:
+            rec.record(EventKind.STEP, -1, -1, self._t0, rec.now(), value=dphi)
+        every, n = self.settings.every, iterate.iterations
+        due = stopping or (every > 0 and (n % every == 0 or final))
+        if not due or self.directory is None or not math.isfinite(dphi):
+            return
+        t0 = rec.now()
+        self.last = checkpointing.save(
+            self.comm,
+            self.directory,
+            iterate,
+            self.cfg,
+            self.owned,
+            self.settings,
+            converged=dphi <= self.cfg.tolerance,
+            config_text=self.config_text,
+        )
+        if rec.enabled:
+            rec.record(EventKind.CHECKPOINT, -1, -1, t0, rec.now())
+        self.log(f"checkpoint: {self.last}")
+
+
+def _trace_metadata(plan: SweepPlan, config_text: str) -> dict[str, Any]:
+    """Root attributes of a sweep trace: enough to rebuild the plan the events follow."""
+    ranks = range(plan.ranks)
+    return {
+        "config": config_text,
+        "workload": "sweep",
+        "topology": {
+            "world": plan.ranks,
+            "dims": {"px": plan.px, "py": plan.py},
+            "coords": {
+                "x": [plan.coords(r)[0] for r in ranks],
+                "y": [plan.coords(r)[1] for r in ranks],
+            },
+        },
+        "sweep_plan": plan.describe(),
+        "sweep_octants": list(plan.octants),
+        "sweep_angle_blocks": plan.angle_blocks,
+        "sweep_z_blocks": plan.z_blocks,
+    }
+
+
+def _write_outputs(
+    cfg: SweepConfig,
+    problem: Any,
+    plan: SweepPlan,
+    predicted: Any,
+    sweeper: KBASweeper,
+    cells: LocalCells,
+    result: SolveResult,
+    output: Path | None,
+    config_text: str,
+) -> None:
+    """Collective: gather the flux to rank 0, which writes flux.h5, flux.xmf and the PNG."""
+    full = sweeper.gather(result.phi.reshape(*cells.shape, problem.groups))
+    if output is None or sweeper.rank != 0:
+        return
+    assert full is not None
+    attrs = {
+        "iterations": result.iterations,
+        "converged": result.converged,
+        "balance_relative_error": result.balance.relative_error,
+        "balance_source": result.balance.source,
+        "balance_inflow": result.balance.inflow,
+        "balance_absorption": result.balance.absorption,
+        "balance_outflow": result.balance.outflow,
+        "grind_ns": result.grind_ns,
+        "efficiency_measured": result.efficiency,
+        "efficiency_predicted": predicted.efficiency,
+        "predicted_stages": predicted.stages,
+        "ranks": plan.ranks,
+        "plan": plan.describe(),
+    }
+    output.mkdir(parents=True, exist_ok=True)
+    write_flux(
+        output / "flux.h5",
+        problem,
+        full,
+        config_text=config_text,
+        history=result.history,
+        sweep_seconds=np.array(result.sweep_seconds),
+        attrs=attrs,
+    )
+    write_xdmf(output / "flux.xmf", "flux.h5", problem)
+    if cfg.plot:
+        write_slice_png(output / "flux_slice.png", problem, full)

@@ -13,9 +13,7 @@ uninterrupted run bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +24,16 @@ from hpcpipe.config import ConfigError, dump_toml
 from hpcpipe.io.checkpoint import (
     CheckpointError,
     ShardSpec,
-    latest_checkpoint,
     load_checkpoint,
     read_attrs,
     save_checkpoint,
 )
+from hpcpipe.jobcontrol import find_checkpoint
 from hpcpipe.moe.layer import is_expert_param
 from hpcpipe.runtime import RunContext
 from hpcpipe.train.optim import OptimState
 
-__all__ = ["StopSignal", "restore", "save", "write_status"]
+__all__ = ["restore", "save"]
 
 FORMAT_TAG = "hpcpipe-train"
 
@@ -108,39 +106,12 @@ def save(
     )
 
 
-def _find(ctx: RunContext) -> Path:
-    """The checkpoint --resume names: `latest` of this run's directory, or a path."""
-    where = ctx.resume
-    path = None
-    if ctx.rank == 0:
-        try:
-            if where == "latest":
-                path = latest_checkpoint(ctx.config.checkpoint.directory(ctx.output))
-                if path is None:
-                    path = ConfigError(
-                        "--resume",
-                        "",
-                        "found no complete checkpoint in "
-                        f"{ctx.config.checkpoint.directory(ctx.output)}",
-                    )
-            else:
-                from hpcpipe.io.checkpoint import resolve_checkpoint
-
-                path = resolve_checkpoint(where)
-        except CheckpointError as exc:
-            path = ConfigError("--resume", "", str(exc))
-    path = ctx.comms.world.bcast(path, root=0)
-    if isinstance(path, Exception):
-        raise path
-    return Path(path)
-
-
 def restore(
     ctx: RunContext, params: dict[int, Any], opt_state: dict[int, OptimState]
 ) -> tuple[int, dict[str, list[float]]]:
     """Load what this rank owns now into `params`/`opt_state` (in place); returns the step to
     start from and the metrics history so far."""
-    path = _find(ctx)
+    path = find_checkpoint(ctx.comms.world, ctx.resume, ctx.config.checkpoint.directory(ctx.output))
     try:
         attrs = read_attrs(path)
         wanted = {}
@@ -174,42 +145,3 @@ def restore(
         f"resumed from {path} at step {step} (written by a {json.loads(attrs['topology'])} run)"
     )
     return step, {k: list(v)[:step] for k, v in history.items()}
-
-
-def write_status(ctx: RunContext, state: str, step: int, checkpoint: Path | None) -> None:
-    """`<output>/status.json`: how the run ended, read by the job scripts to decide a requeue."""
-    if ctx.rank != 0:
-        return
-    payload = {"state": state, "step": step, "checkpoint": str(checkpoint) if checkpoint else None}
-    tmp = ctx.output / "status.json.tmp"
-    tmp.write_text(json.dumps(payload) + "\n", encoding="utf-8")
-    tmp.replace(ctx.output / "status.json")
-
-
-class StopSignal:
-    """SIGUSR1 / SIGTERM (Slurm's time-limit warning) ask for a checkpoint and a clean exit.
-
-    The handler only sets a flag; ranks agree on it in the step's existing allreduce, so every
-    rank stops after the same step.
-    """
-
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._old = {}
-        for sig in self.SIGNALS:
-            # outside the main thread (embedded use) there is no signal handling
-            with contextlib.suppress(ValueError):
-                self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signum
-
-    @property
-    def flag(self) -> float:
-        return 1.0 if self.received is not None else 0.0
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)

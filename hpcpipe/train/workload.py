@@ -17,10 +17,11 @@ from mpi4py import MPI
 from hpcpipe.config import ConfigError, dump_toml
 from hpcpipe.faults import maybe_fail
 from hpcpipe.io.trace import EventKind, write_trace
+from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.model.models import boundary_shape, build_model, partition
 from hpcpipe.model.stage import Stage
 from hpcpipe.runtime import RunContext
-from hpcpipe.train.checkpointing import StopSignal, restore, save, write_status
+from hpcpipe.train.checkpointing import restore, save
 from hpcpipe.train.data import build_dataset
 from hpcpipe.train.optim import apply_update, clip_scale, init_state, learning_rate
 from hpcpipe.train.pipeline import PipelineRank, StepResult
@@ -104,7 +105,8 @@ def run(ctx: RunContext) -> None:
                 last = trainer.checkpoint(done)
     finally:
         stop.restore()
-    write_status(ctx, state, done, last)
+    if ctx.rank == 0:
+        write_status(ctx.output, state, done, last)
     trainer.finish(complete=state == "finished")
 
 

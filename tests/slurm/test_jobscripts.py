@@ -209,8 +209,11 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path, mpirun):
     log = tmp_path / "job.out"
     wait(job, until=lambda info: log.exists() and "step 21/400" in log.read_text())
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, timeout=30)
-    # requeued jobs wait ~2 minutes before they are eligible again; release it now
+    # requeued jobs wait ~2 minutes before they are eligible again; release it sooner, but not
+    # within the same seconds as the requeue: slurmd refuses a credential issued in the second
+    # the old one was revoked ("Job credential revoked")
     wait(job, until=lambda info: info.get("Restarts") == "1" and info["JobState"] == "PENDING")
+    time.sleep(3)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
     info = wait(job)
     text = log.read_text()
