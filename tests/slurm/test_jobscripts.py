@@ -196,7 +196,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path, mpirun):
     checkpoint and exit 0, the script requeues the job, the restart resumes; the final
     parameters equal an uninterrupted run's, bit for bit."""
     assert "#SBATCH --signal=B:USR1@" in (JOBSCRIPTS / "train.sbatch").read_text()
-    steps = "run.steps=400 run.log_every=20 train.verify=false train.save_params=true"
+    steps = "run.steps=200 run.log_every=20 train.verify=false train.save_params=true"
     job = sbatch(
         "train.sbatch",
         INPUTS / "train_tiny.toml",
@@ -207,7 +207,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path, mpirun):
         HPCPIPE_SET=steps,
     )
     log = tmp_path / "job.out"
-    wait(job, until=lambda info: log.exists() and "step 21/400" in log.read_text())
+    wait(job, until=lambda info: log.exists() and "step 21/200" in log.read_text())
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, timeout=30)
     # requeued jobs wait ~2 minutes before they are eligible again; release it sooner, but not
     # within the same seconds as the requeue: slurmd refuses a credential issued in the second
