@@ -141,19 +141,66 @@ def balance(weights: Sequence[float], n_stages: int) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
+def balance_placement(
+    weights: Sequence[float], n_stages: int, stages_of_rank: Sequence[Sequence[int]]
+) -> list[range]:
+    """Contiguous stages whose *rank* loads are balanced, for placements with several stages per
+    rank (V shapes hold stages r and 2p-1-r; interleaved r, r+p, ...).
+
+    Balancing each stage alone can leave a V's middle ranks with twice the work of rank 0 (whose
+    two chunks hold the light embedding and loss head). Starting from the per-stage optimum, this
+    moves single stage boundaries while that lowers the heaviest rank (then the sum of squared
+    rank loads); a rank's load is the sum of its stages' weights.
+    """
+    ranges = balance(weights, n_stages)
+    if all(len(row) == 1 for row in stages_of_rank):
+        return ranges  # one stage per rank: the per-stage optimum is the rank optimum
+    w = np.asarray(weights, dtype=np.float64)
+    prefix = np.concatenate(([0.0], np.cumsum(w)))
+    owner = np.empty(n_stages, dtype=np.int64)
+    for r, row in enumerate(stages_of_rank):
+        owner[list(row)] = r
+    bounds = [rg.start for rg in ranges] + [len(w)]
+
+    def score(b: list[int]) -> tuple[float, float]:
+        stage = prefix[b[1:]] - prefix[b[:-1]]
+        load = np.bincount(owner, weights=stage, minlength=len(stages_of_rank))
+        return float(load.max()), float((load * load).sum())
+
+    best = score(bounds)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, n_stages):
+            for step in (-1, 1):
+                trial = list(bounds)
+                trial[i] += step
+                if not trial[i - 1] < trial[i] < trial[i + 1]:
+                    continue  # every stage keeps at least one unit
+                cand = score(trial)
+                if cand < best:
+                    bounds, best, improved = trial, cand, True
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
 def partition(
-    units: Sequence[Module], n_stages: int, by: str | Sequence[int] = "flops"
+    units: Sequence[Module],
+    n_stages: int,
+    by: str | Sequence[int] = "flops",
+    stages_of_rank: Sequence[Sequence[int]] | None = None,
 ) -> list[range]:
     """Contiguous unit ranges, one per stage: balanced by "params" or "flops", or explicit sizes.
 
     Explicit sizes are the number of units of each stage, e.g. ``[2, 3, 3, 2]`` for 10 units.
+    With `stages_of_rank` (the schedule's placement) the balance is over ranks, not stages.
     """
     if isinstance(by, str):
-        if by == "params":
-            return balance([u.n_params for u in units], n_stages)
-        if by == "flops":
-            return balance([u.flops_per_token() for u in units], n_stages)
-        raise ValueError(f"by = {by!r} must be 'params', 'flops' or a list of stage sizes")
+        if by not in ("params", "flops"):
+            raise ValueError(f"by = {by!r} must be 'params', 'flops' or a list of stage sizes")
+        weights = [u.n_params if by == "params" else u.flops_per_token() for u in units]
+        if stages_of_rank is not None:
+            return balance_placement(weights, n_stages, stages_of_rank)
+        return balance(weights, n_stages)
     sizes = [int(s) for s in by]
     if len(sizes) != n_stages:
         raise ValueError(f"explicit partition has {len(sizes)} stages, expected {n_stages}")

@@ -91,6 +91,18 @@ class Mailbox:
         self.bytes_received += pending.nbytes
         return pending.array
 
+    def progress(self) -> None:
+        """Let MPI move outstanding messages while this rank is between actions.
+
+        Large messages use a rendezvous protocol that advances only inside MPI calls on both
+        sides; without this poke a receiver can wait a whole compute action for a sender that
+        has already posted its Isend.
+        """
+        if self._sends:
+            self._reap()
+        elif self._recvs:
+            next(iter(self._recvs.values())).request.Test()
+
     def _reap(self) -> None:
         self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 

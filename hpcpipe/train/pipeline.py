@@ -143,6 +143,7 @@ class PipelineRank:
             ):
                 self._post(self.actions[self._recv_positions[next_recv]])
                 next_recv += 1
+            self.mailbox.progress()
             t0 = now()
             try:
                 self._run_action(action, step)

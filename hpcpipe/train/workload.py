@@ -60,7 +60,9 @@ def _check_batch(ctx: RunContext, m: int) -> int:
     return rows // (dp * m)
 
 
-def _stage_ranges(ctx: RunContext, n_units: int, n_stages: int, units) -> list[range]:
+def _stage_ranges(
+    ctx: RunContext, n_units: int, n_stages: int, units, stages_of_rank
+) -> list[range]:
     train = ctx.config.train
     if train.stage_units:
         if len(train.stage_units) != n_stages or sum(train.stage_units) != n_units:
@@ -78,7 +80,7 @@ def _stage_ranges(ctx: RunContext, n_units: int, n_stages: int, units) -> list[r
             f"= {ctx.config.model.layers} gives {n_units} pipeline units, fewer "
             f"than the schedule's {n_stages} stages; add layers or lower pp / v",
         )
-    return partition(units, n_stages, by=train.partition)
+    return partition(units, n_stages, by=train.partition, stages_of_rank=stages_of_rank)
 
 
 def run(ctx: RunContext) -> None:
@@ -123,7 +125,9 @@ class Trainer:
         self.rows_mb = _check_batch(ctx, m)
         self.group = _expert_group(ctx)
         units = build_model(cfg.model, cfg.moe, self.group)
-        ranges = _stage_ranges(ctx, len(units), self.schedule.num_stages, units)
+        ranges = _stage_ranges(
+            ctx, len(units), self.schedule.num_stages, units, self.schedule.stages_of_rank
+        )
         self.mine = self.schedule.stages_of_rank[self.coords["pp"]]
         stages = {s: Stage(units, ranges[s]) for s in self.mine}
         self.params = {s: stages[s].init(cfg.run.seed, xp, dtype) for s in self.mine}
