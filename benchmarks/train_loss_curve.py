@@ -23,15 +23,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--deck", default="inputs/gpt_pp4.toml")
     ap.add_argument("--schedule", default="zb-v")
+    ap.add_argument("--pp", type=int, default=None, help="pipeline degree (default: --ranks)")
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--name", default="loss_curve", help="output file stem in results/")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
         sets = [
             f"run.output={out}",
-            f"topology.pp={args.ranks}",
-            "topology.dp=1",
+            f"topology.pp={args.pp or args.ranks}",
+            f"topology.dp={args.dp}",
             f"run.steps={args.steps}",
             f"pipeline.schedule={args.schedule}",
             "run.log_every=50",
+            *args.overrides,
         ]
         log = run_hpcpipe(args.ranks, ["run", args.deck, *[x for s in sets for x in ("--set", s)]])
         with h5py.File(Path(out) / "metrics.h5") as f:
@@ -61,7 +66,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(np.arange(1, len(loss) + 1), loss, lw=1.2, label=f"{args.schedule}, pp={args.ranks}")
+    label = f"{args.schedule}, pp={args.pp or args.ranks}, dp={args.dp} ({Path(args.deck).stem})"
+    ax.plot(np.arange(1, len(loss) + 1), loss, lw=1.2, label=label)
     ax.axhline(optimal, color="k", ls="--", lw=1, label=f"best achievable {optimal:.3f}")
     ax.set(
         xlabel="step",
@@ -72,10 +78,10 @@ def main() -> None:
     ax.legend()
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    png = RESULTS / "loss_curve.png"
+    png = RESULTS / f"{args.name}.png"
     fig.savefig(png, dpi=120)
     path = save_json(
-        "loss_curve",
+        args.name,
         {
             "schedule": args.schedule,
             "ranks": args.ranks,
