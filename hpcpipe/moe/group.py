@@ -56,6 +56,7 @@ class ExpertGroup:
             )
         self.experts = experts
         self.per_rank = experts // self.size
+        self.recorder: Any = None  # a hpcpipe.io.trace.Recorder: ALLTOALL events when enabled
         self.layout = NodeLayout(tuple(comm.allgather(int(node))))
         self.virtual_nodes = virtual_nodes
         self.cuda_aware = cuda_aware
@@ -144,6 +145,25 @@ class ExpertGroup:
         returns the received rows grouped by source ep rank, in `out` when given (a reusable
         buffer of exchange.rows_in rows; otherwise the result may be `rows` itself when nothing
         moves). Bitwise the same in both modes: the two-phase path only moves rows."""
+        rec = self.recorder
+        if rec is not None and rec.enabled:
+            from hpcpipe.io.trace import EventKind
+
+            t0 = rec.now()
+            result = self._exchange(rows, exchange, out)
+            rec.record(
+                EventKind.ALLTOALL,
+                -1,
+                -1,
+                t0,
+                rec.now(),
+                int(getattr(rows, "nbytes", 0)),
+                value=float(len(rows)),
+            )
+            return result
+        return self._exchange(rows, exchange, out)
+
+    def _exchange(self, rows: Any, exchange: Exchange, out: Any = None) -> Any:
         h = exchange.hierarchical
         if h is None:
             return self._alltoallv(self.comm, rows, exchange.send_spec, exchange.recv_spec, out)

@@ -136,6 +136,8 @@ class Trainer:
         self.rec = cfg.trace.recorder(ctx.rank)
         if self.rec.enabled:
             self.rec.align_clock(ctx.comms.world)
+        if self.group is not None:
+            self.group.recorder = self.rec
         self.runner = PipelineRank(
             self.lowered,
             self.coords["pp"],
@@ -245,6 +247,12 @@ class Trainer:
         }
         moe_text = ""
         if cfg.moe.enabled:
+            if self.rec.enabled and self.runner.moe_stats:
+                # tokens this rank routed to each expert this step (zero-length events)
+                t = self.rec.now()
+                kept = np.sum([st.kept for st in self.runner.moe_stats], axis=0)
+                for expert, tokens in enumerate(kept.tolist()):
+                    self.rec.record(EventKind.EXPERT, expert, -1, t, t, value=float(tokens))
             moe = _moe_figures(ctx, self.runner.moe_stats)
             figures.update({f"moe_{k}": v for k, v in moe.items()})
             moe_text = (

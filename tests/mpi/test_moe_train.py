@@ -69,3 +69,28 @@ def test_experts_not_divisible_by_ep(mpirun, tmp_path):
     )
     assert r.returncode == 2, r.output
     assert "moe.experts" in r.stderr and r.stderr.count("ERROR:") == 1
+
+
+def test_moe_trace_records_all_to_all_and_expert_load(mpirun, cli, tmp_path):
+    r = mpirun(
+        4,
+        [
+            "run",
+            DECK,
+            "--set",
+            f"run.output={tmp_path}",
+            "--set",
+            "run.steps=2",
+            "--set",
+            "trace.enabled=true",
+        ],
+        timeout=240,
+    )
+    assert r.returncode == 0, r.output
+    from hpcpipe.io.trace import EventKind, read_trace
+
+    trace = read_trace(tmp_path / "trace.h5")
+    kinds = {int(k) for ev in trace.events for k in ev["kind"]}
+    assert {int(EventKind.ALLTOALL), int(EventKind.EXPERT)} <= kinds
+    s = cli(["trace", "summary", str(tmp_path / "trace.h5")])
+    assert s.returncode == 0 and "MoE: 4 experts, tokens per expert" in s.stdout, s.output
