@@ -207,8 +207,8 @@ def solve(
 ) -> SolveResult:
     """Source iteration from phi = 0 (or from `start`) until max|dphi| / max|phi| <= tolerance.
 
-    `max_iterations` counts the iterations of `start` too. The stop request travels in the
-    iteration's allmax, so every rank leaves after the same iteration.
+    `max_iterations` counts the iterations of `start` too (which is continued in place). The
+    stop request travels in the iteration's allmax, so every rank leaves after the same one.
     """
     xp = cells.xp
     ranks = sweeper.ranks

@@ -172,9 +172,9 @@ def run_sweep(
         if output is not None and comm.rank == 0:
             log(f"sweep wrote {output / 'flux.h5'} and flux.xmf")
     if output is not None and comm.rank == 0:
-        state = "preempted" if result.stopped else "finished"
-        if not result.converged and not result.stopped:
-            state = "not-converged"
+        state = (
+            "preempted" if result.stopped else "finished" if result.converged else "not-converged"
+        )
         write_status(output, state, result.iterations, control.last)
     comm.Barrier()
     if not result.converged and not result.stopped:
