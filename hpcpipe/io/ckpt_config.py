@@ -16,7 +16,10 @@ class CheckpointConfig:
     """[checkpoint]: cadence, retention, file layout and durability of checkpoints."""
 
     every: int = option(
-        0, "write a checkpoint every N steps; 0 = only at the time-limit signal", minimum=0
+        0,
+        "checkpoint every N steps (training) or source iterations (sweep); 0 = only at the "
+        "time-limit signal",
+        minimum=0,
     )
     keep: int = option(
         3,
