@@ -116,6 +116,16 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
         help="table of every pipeline schedule for the deck's p, m and costs",
     )
     p.add_argument("--show-config", action="store_true", help="print the resolved deck too")
+    # schedule search (issue 14): the makespan vs peak-memory front
+    p.add_argument(
+        "--pareto",
+        action="store_true",
+        help="table of the schedule search's makespan vs peak-memory front next to every "
+        "fixed schedule, for the deck's p, m and costs",
+    )
+    p.add_argument(
+        "--pareto-png", default=None, help="also draw that front to this PNG (implies --pareto)"
+    )
 
 
 def _execute_plan(args: argparse.Namespace) -> int:
@@ -153,13 +163,22 @@ def _execute_plan(args: argparse.Namespace) -> int:
         print()
         print(_sweep_plan(config, world))
     pipeline = config.sections.get("pipeline")
-    if pipeline is not None and (config.run.workload == "train" or args.png or args.compare):
+    pareto = args.pareto or args.pareto_png is not None  # schedule search (issue 14)
+    if pipeline is not None and (
+        config.run.workload == "train" or args.png or args.compare or pareto
+    ):
         from hpcpipe.schedules.report import plan_report
 
         print()
         print(
             plan_report(
-                pipeline, rankmap.pp, png=args.png, compare=args.compare, source=config.source
+                pipeline,
+                rankmap.pp,
+                png=args.png,
+                compare=args.compare,
+                pareto=pareto,
+                pareto_png=args.pareto_png,
+                source=config.source,
             )
         )
     return 0

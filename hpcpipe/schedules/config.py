@@ -9,7 +9,8 @@ its stages, e.g. half of a full stage for a V chunk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from hpcpipe.config import option
 from hpcpipe.schedules.registry import SCHEDULE_NAMES
 from hpcpipe.schedules.simulate import CostModel
 
-__all__ = ["PipelineConfig", "cost_model", "stage_shares"]
+__all__ = ["PipelineConfig", "cost_model", "costs_for", "stage_shares"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,9 @@ class PipelineConfig:
 
     schedule: str = option(
         "1f1b",
-        "pipeline schedule, or 'csv' to load a hand-written one from schedule_csv",
-        choices=(*SCHEDULE_NAMES, "csv"),
+        "pipeline schedule; 'auto' searches for the fastest one that fits memory_budget; "
+        "'csv' loads a hand-written one from schedule_csv",
+        choices=(*SCHEDULE_NAMES, "auto", "csv"),
     )
     microbatches: int = option(8, "microbatches per step (m)", minimum=1)
     virtual_stages: int | None = option(
@@ -60,6 +62,13 @@ class PipelineConfig:
         "activations one microbatch leaves on a full stage (any unit; 1 = count microbatches)",
         minimum=0.0,
     )
+    memory_budget: float | None = option(
+        None,
+        "schedule = 'auto': most activations a rank may hold, in activation_memory units "
+        "(with the default 1.0 per full stage: microbatches of one rank's share; with bytes "
+        "per stage: bytes); unset: no limit",
+        minimum=0.0,
+    )
     activation_freed_by_b: float = option(
         0.0,
         "share of a stage's activations that B releases (W releases the rest)",
@@ -73,6 +82,10 @@ class PipelineConfig:
         if self.schedule != "csv" and self.schedule_csv:
             raise ValueError(
                 f"schedule_csv: is only read when schedule = 'csv' (schedule = {self.schedule!r})"
+            )
+        if self.memory_budget is not None and self.schedule != "auto":
+            raise ValueError(
+                f"memory_budget: is only read when schedule = 'auto' (schedule = {self.schedule!r})"
             )
         if self.virtual_stages is not None and self.schedule != "interleaved-1f1b":
             raise ValueError(
@@ -119,3 +132,8 @@ def cost_model(cfg: PipelineConfig, pp: int, num_stages: int) -> CostModel:
         activation=stage_shares(cfg.activation_memory, pp, num_stages),
         b_frees=cfg.activation_freed_by_b,
     )
+
+
+def costs_for(cfg: PipelineConfig, pp: int) -> Callable[[int], CostModel]:
+    """`cost_model` for any number of stages: what the schedule search compares placements by."""
+    return functools.partial(cost_model, cfg, pp)

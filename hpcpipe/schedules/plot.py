@@ -10,6 +10,7 @@ matplotlib is imported only when a PNG is asked for.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from hpcpipe.schedules.ir import Kind
 from hpcpipe.schedules.simulate import SimResult
 
-__all__ = ["ascii_timeline", "plot_timeline"]
+__all__ = ["ascii_timeline", "plot_pareto", "plot_timeline"]
 
 _LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
 _COLOR = {Kind.F: "#4c72b0", Kind.B: "#55a868", Kind.W: "#c9b03a", Kind.BW: "#8172b2"}
@@ -139,6 +140,45 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
         title
         or f"{sched.name}: makespan {result.makespan:g}, bubble {100 * result.bubble_fraction:.1f}%"
     )
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def plot_pareto(
+    front: Sequence[tuple[float, float]],
+    fixed: Sequence[tuple[str, float, float]],
+    path: str | Path,
+    *,
+    title: str = "",
+    budget: float | None = None,
+) -> Path:
+    """Write a PNG of makespan against peak memory: the search's front as a staircase
+    (the best makespan within each budget) and every fixed schedule as a labelled point."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.0, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if front:
+        peaks = [x for x, _ in front]
+        spans = [y for _, y in front]
+        right = max([*peaks, *(x for _, x, _ in fixed)]) * 1.05
+        ax.step([*peaks, right], [*spans, spans[-1]], where="post", color="#c44e52", lw=1.5)
+        ax.plot(peaks, spans, "o", color="#c44e52", label="search front")
+    for name, peak, span in fixed:
+        ax.plot([peak], [span], "s", color="#4c72b0", ms=5)
+        ax.annotate(name, (peak, span), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.plot([], [], "s", color="#4c72b0", ms=5, label="fixed schedules")
+    if budget is not None:
+        ax.axvline(budget, color="gray", ls="--", lw=1, label=f"memory_budget {budget:g}")
+    ax.set_xlabel("peak activation memory per rank (activation_memory units)")
+    ax.set_ylabel("makespan (time units)")
+    ax.set_title(title or "makespan vs peak memory", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)

@@ -1,14 +1,16 @@
 """The text `hpcpipe plan` prints for the [pipeline] section: the chosen schedule drawn,
-validated and simulated, and optionally every schedule compared under the same costs."""
+validated and simulated, and optionally every schedule compared under the same costs, or the
+makespan vs peak-memory front of the schedule search next to every fixed schedule."""
 
 from __future__ import annotations
 
 from hpcpipe.config import ConfigError
-from hpcpipe.schedules.config import PipelineConfig, cost_model
+from hpcpipe.schedules.config import PipelineConfig, cost_model, costs_for
 from hpcpipe.schedules.errors import ScheduleError
 from hpcpipe.schedules.ir import Schedule, read_csv
-from hpcpipe.schedules.plot import ascii_timeline, plot_timeline
+from hpcpipe.schedules.plot import ascii_timeline, plot_pareto, plot_timeline
 from hpcpipe.schedules.registry import PUBLISHED, SCHEDULE_NAMES, build_schedule
+from hpcpipe.schedules.search import BudgetError, Found, fixed_points, pareto_front, search
 from hpcpipe.schedules.simulate import SimResult, simulate
 from hpcpipe.schedules.validate import validate
 
@@ -22,6 +24,8 @@ def load_schedule(cfg: PipelineConfig, pp: int, source: str = _SOURCE) -> Schedu
 
     Raises ConfigError naming the key when the deck asks for something that cannot be built.
     """
+    if cfg.schedule == "auto":
+        return _searched(cfg, pp, source).schedule
     if cfg.schedule != "csv":
         try:
             return build_schedule(cfg.schedule, pp, cfg.microbatches, cfg.virtual_stages)
@@ -46,6 +50,20 @@ def load_schedule(cfg: PipelineConfig, pp: int, source: str = _SOURCE) -> Schedu
             f"= {cfg.microbatches} but {cfg.schedule_csv} schedules {sched.num_microbatches}",
         )
     return sched
+
+
+def _searched(cfg: PipelineConfig, pp: int, source: str) -> Found:
+    """`schedule = "auto"`: the search's pick for the deck's budget and costs."""
+    try:
+        return search(pp, cfg.microbatches, costs_for(cfg, pp), cfg.memory_budget)
+    except BudgetError as exc:
+        raise ConfigError(
+            source,
+            "pipeline.memory_budget",
+            f"= {exc.budget:g} is too small: no schedule fits it on pp = {pp}; the least "
+            f"budget that fits is {exc.minimum:g} (one microbatch's activations on the "
+            "fullest rank, in activation_memory units)",
+        ) from None
 
 
 def _run(cfg: PipelineConfig, sched: Schedule, pp: int, source: str = _SOURCE) -> SimResult:
@@ -111,8 +129,8 @@ def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
             entries.append((name, build_schedule(name, pp, cfg.microbatches, v)))
         except ValueError as exc:
             entries.append((name, str(exc)))
-    if cfg.schedule == "csv":
-        entries.append(("csv", chosen))
+    if cfg.schedule in ("csv", "auto"):
+        entries.append((cfg.schedule, chosen))
     for name, item in entries:
         mark = "*" if name == cfg.schedule else " "
         if isinstance(item, str):
@@ -133,17 +151,97 @@ def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
     return "\n".join(lines)
 
 
+def _search_line(cfg: PipelineConfig, sched: Schedule) -> str:
+    budget = "no limit" if cfg.memory_budget is None else f"{cfg.memory_budget:g}"
+    return (
+        f"schedule search: memory_budget {budget} (activation_memory units per rank); "
+        f"fastest found: {sched.param('how', '?')}"
+    )
+
+
+def _pareto(
+    cfg: PipelineConfig, pp: int, png: str | None, source: str, chosen: SimResult | None
+) -> str:
+    """The search's makespan vs peak-memory front next to every fixed schedule; `chosen` is
+    the deck's own pick when schedule = "auto" (marked, or listed when not on the front)."""
+    m = cfg.microbatches
+    fixed = fixed_points(pp, m, costs_for(cfg, pp))
+    front = pareto_front(pp, m, costs_for(cfg, pp), fixed)
+    header = f"{'peak mem':>9} {'makespan':>10}  found by"
+    pick = "" if chosen is None else "; > marks the pick for the deck's memory_budget"
+    lines = [
+        f"schedule search front for p={pp}, m={m} and the deck's costs: the fastest schedule "
+        "found per budget",
+        f"(peak memory in activation_memory units, max over ranks{pick}):",
+        header,
+        "-" * len(header),
+    ]
+    marked = False
+    for f in front:
+        same = chosen is not None and (f.makespan, f.peak) == (
+            chosen.makespan,
+            float(chosen.peak_memory.max()),
+        )
+        marked |= same
+        lines.append(f"{'>' if same else ' '}{f.peak:>8.4g} {f.makespan:>10.6g}  {f.how}")
+    if chosen is not None and not marked:
+        lines.append(
+            f">{chosen.peak_memory.max():>8.4g} {chosen.makespan:>10.6g}  the deck's "
+            f"memory_budget (off the front): {chosen.schedule.param('how', '?')}"
+        )
+    header = (
+        f"{'schedule':<17} {'v':>2} {'peak mem':>9} {'makespan':>10} {'search':>10} {'gain':>7}"
+    )
+    lines += [
+        "",
+        "fixed schedules and the search at the same budget",
+        "(search: the front's best makespan with a peak at most the schedule's; gain: how much "
+        "faster):",
+        header,
+        "-" * len(header),
+    ]
+    points = []
+    for item in fixed:
+        if not isinstance(item, Found):
+            name, why = item
+            lines.append(f" {name:<16}  skipped: {why}")
+            continue
+        name = item.how.removeprefix("fixed: ")
+        points.append((name, item.peak, item.makespan))
+        best = min(f.makespan for f in front if f.peak <= item.peak * (1 + 1e-9))
+        gain = 100.0 * (item.makespan - best) / item.makespan if item.makespan else 0.0
+        v = len(item.schedule.stages_of_rank[0])
+        lines.append(
+            f" {name:<16} {v:>2} {item.peak:>9.4g} {item.makespan:>10.6g} {best:>10.6g} "
+            f"{gain:>6.1f}%"
+        )
+    if png:
+        title = f"p={pp}, m={m}: makespan vs peak activation memory ({source})"
+        path = plot_pareto(
+            [(f.peak, f.makespan) for f in front],
+            points,
+            png,
+            title=title,
+            budget=cfg.memory_budget,
+        )
+        lines += ["", f"front written to {path}"]
+    return "\n".join(lines)
+
+
 def plan_report(
     cfg: PipelineConfig,
     pp: int,
     *,
     png: str | None = None,
     compare: bool = False,
+    pareto: bool = False,
+    pareto_png: str | None = None,
     source: str = _SOURCE,
 ) -> str:
     """What `hpcpipe plan DECK` prints: the schedule as a rank x time grid, its predicted
-    makespan, bubble and peak memory per rank; `png` also writes a timeline picture and
-    `compare` appends a table of every schedule for the same p, m and costs."""
+    makespan, bubble and peak memory per rank; `png` also writes a timeline picture,
+    `compare` appends a table of every schedule for the same p, m and costs, and `pareto`
+    (or `pareto_png`, which also draws it) the schedule search's makespan vs memory front."""
     sched = load_schedule(cfg, pp, source)
     result = _run(cfg, sched, pp, source)
     parts = [
@@ -153,8 +251,13 @@ def plan_report(
         _summary(result),
         _rank_table(result),
     ]
+    if cfg.schedule == "auto":
+        parts.insert(1, _search_line(cfg, sched))
     if png:
         parts.append(f"timeline written to {plot_timeline(result, png)}")
     if compare:
         parts.append(_compare(cfg, pp, sched))
+    if pareto or pareto_png:
+        chosen = result if cfg.schedule == "auto" else None
+        parts.append(_pareto(cfg, pp, pareto_png, source, chosen))
     return "\n\n".join(parts)

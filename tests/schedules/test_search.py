@@ -1,0 +1,261 @@
+"""Schedule search under a memory budget: valid, within budget, never slower than a fixed
+schedule that fits, strictly faster where costs are uneven, and shown as a Pareto front."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpcpipe.config import ConfigError, parse_section
+from hpcpipe.schedules import simulate, validate
+from hpcpipe.schedules.config import PipelineConfig, cost_model, costs_for
+from hpcpipe.schedules.report import load_schedule, plan_report
+from hpcpipe.schedules.search import (
+    BudgetError,
+    Found,
+    fixed_points,
+    min_budget,
+    pareto_front,
+    search,
+)
+
+UNEVEN = PipelineConfig(
+    microbatches=8,
+    t_f=(1.0, 1.0, 1.0, 1.5),  # the last quarter holds a large output layer
+    t_b=(1.0, 1.0, 1.0, 1.5),
+    t_w=(1.0, 1.0, 1.0, 1.5),
+    comm_latency=0.1,
+)
+
+
+def check(found: Found, cfg: PipelineConfig, p: int, budget: float | None) -> None:
+    """Re-simulate from scratch: valid, the reported figures, the budget on every rank."""
+    sched = found.schedule
+    assert sched.name == "auto" and sched.num_ranks == p
+    validate(sched)
+    result = simulate(sched, cost_model(cfg, p, sched.num_stages))
+    assert result.makespan == pytest.approx(found.makespan)
+    assert result.peak_memory.max() == pytest.approx(found.peak)
+    if budget is not None:
+        assert np.all(result.peak_memory <= budget * (1 + 1e-9))
+
+
+def best_fixed(fixed, budget: float | None) -> float:
+    spans = [
+        f.makespan
+        for f in fixed
+        if isinstance(f, Found) and (budget is None or f.peak <= budget * (1 + 1e-9))
+    ]
+    return min(spans, default=np.inf)
+
+
+@pytest.mark.parametrize(
+    ("budget", "target"), [(2, 29.5), (3, 26.5), (4, 25.5), (5, 25.5), (8, 25.5)]
+)
+def test_issue_targets_p4_m8(budget, target):
+    cfg = PipelineConfig(microbatches=8)
+    found = search(4, 8, costs_for(cfg, 4), budget)
+    check(found, cfg, 4, budget)
+    assert found.makespan <= target + 1e-9
+
+
+@pytest.mark.parametrize(("budget", "target"), [(3, 26.5), (4, 25.5)])
+def test_greedy_alone_reaches_the_targets(budget, target):
+    # no fixed schedule in the pool: the list scheduler and its local improvement find these
+    cfg = PipelineConfig(microbatches=8)
+    found = search(4, 8, costs_for(cfg, 4), budget, fixed=[])
+    assert found.how.startswith("greedy: V placement")
+    check(found, cfg, 4, budget)
+    assert found.makespan <= target + 1e-9
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_grid_valid_within_budget_and_never_slower_than_fixed(p, m):
+    cfg = PipelineConfig(microbatches=m)
+    costs = costs_for(cfg, p)
+    fixed = fixed_points(p, m, costs)
+    floor = min_budget(p, costs)
+    for budget in (None, floor, floor + 0.5, p / 2, p, 2 * p):
+        if budget is not None and budget < floor:
+            continue
+        found = search(p, m, costs, budget, fixed=fixed)
+        check(found, cfg, p, budget)
+        assert found.makespan <= best_fixed(fixed, budget) + 1e-9
+
+
+def test_uneven_costs_strictly_beat_every_fixed_schedule():
+    costs = costs_for(UNEVEN, 4)
+    fixed = fixed_points(4, 8, costs)
+    for budget in (2.0, 2.5, 3.0, 4.0, None):
+        found = search(4, 8, costs, budget, fixed=fixed)
+        check(found, UNEVEN, 4, budget)
+        assert found.how.startswith("greedy")
+        assert found.makespan < best_fixed(fixed, budget) - 0.1, budget
+
+
+def test_the_search_uses_the_costs():
+    # the schedule found for even costs, run under the uneven ones, is slower than the one
+    # found for the uneven costs themselves
+    even = search(4, 8, costs_for(PipelineConfig(microbatches=8), 4), 3.0).schedule
+    uneven = search(4, 8, costs_for(UNEVEN, 4), 3.0)
+    replayed = simulate(even, cost_model(UNEVEN, 4, even.num_stages))
+    assert replayed.peak_memory.max() <= 3.0
+    assert uneven.makespan < replayed.makespan - 0.1
+
+
+def test_p8_m32_beats_the_fixed_schedules_at_their_budgets():
+    cfg = PipelineConfig(microbatches=32)
+    costs = costs_for(cfg, 8)
+    fixed = fixed_points(8, 32, costs)
+    found = search(8, 32, costs, 5.0, fixed=fixed)
+    check(found, cfg, 8, 5.0)
+    assert found.makespan < best_fixed(fixed, 5.0)  # v-half: 108
+
+
+def test_budget_below_the_minimum_names_it():
+    costs = costs_for(PipelineConfig(microbatches=4), 4)
+    assert min_budget(4, costs) == 1.0  # one microbatch of one rank's share
+    check(search(4, 4, costs, 1.0), PipelineConfig(microbatches=4), 4, 1.0)
+    with pytest.raises(BudgetError, match="least budget that fits") as info:
+        search(4, 4, costs, 0.75)
+    assert info.value.minimum == 1.0
+
+
+def test_budget_in_bytes_with_uneven_activations():
+    # activation_memory in bytes per model piece: the budget is in bytes too
+    cfg = PipelineConfig(microbatches=8, activation_memory=(2e6, 2e6, 2e6, 6e6))
+    costs = costs_for(cfg, 4)
+    assert min_budget(4, costs) == pytest.approx(4e6)  # V rank 0: 1e6 + 3e6
+    found = search(4, 8, costs, 9e6)
+    check(found, cfg, 4, 9e6)
+    assert found.makespan <= best_fixed(fixed_points(4, 8, costs), 9e6) + 1e-9
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p=st.integers(1, 4),
+    m=st.integers(1, 6),
+    extra=st.floats(0.0, 6.0),
+    t_f=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=1, max_size=4),
+    t_b=st.sampled_from([(1.0,), (2.0,), (0.5, 1.5)]),
+    t_w=st.sampled_from([(1.0,), (0.5,), (1.0, 0.0)]),
+    act=st.sampled_from([(1.0,), (1.0, 3.0), (2.0, 1.0, 1.0)]),
+    comm=st.sampled_from([0.0, 0.25]),
+    b_frees=st.sampled_from([0.0, 0.5]),
+)
+def test_budget_is_respected_for_any_costs(p, m, extra, t_f, t_b, t_w, act, comm, b_frees):
+    cfg = PipelineConfig(
+        microbatches=m,
+        t_f=tuple(t_f),
+        t_b=t_b,
+        t_w=t_w,
+        activation_memory=act,
+        comm_latency=comm,
+        activation_freed_by_b=b_frees,
+    )
+    costs = costs_for(cfg, p)
+    floor = min_budget(p, costs)
+    budget = floor + extra
+    fixed = fixed_points(p, m, costs)
+    found = search(p, m, costs, budget, fixed=fixed)
+    check(found, cfg, p, budget)
+    assert found.makespan <= best_fixed(fixed, budget) + 1e-9
+    # the list scheduler alone keeps the budget and never stalls above the minimum
+    alone = search(p, m, costs, budget, fixed=[])
+    assert alone.how.startswith("greedy: ")
+    check(alone, cfg, p, budget)
+    with pytest.raises(BudgetError):
+        search(p, m, costs, floor * 0.99, fixed=fixed)
+
+
+def test_search_is_deterministic():
+    # every rank of a run computes the schedule on its own: they must agree
+    costs = costs_for(UNEVEN, 4)
+    assert search(4, 8, costs, 3.0).schedule == search(4, 8, costs, 3.0).schedule
+
+
+def test_pareto_front_falls_and_dominates_the_fixed_schedules():
+    costs = costs_for(UNEVEN, 4)
+    fixed = fixed_points(4, 8, costs)
+    front = pareto_front(4, 8, costs, fixed)
+    peaks = [f.peak for f in front]
+    spans = [f.makespan for f in front]
+    assert peaks[0] == min_budget(4, costs)
+    assert all(a < b for a, b in itertools.pairwise(peaks))
+    assert all(a > b for a, b in itertools.pairwise(spans))
+    for item in fixed:
+        if isinstance(item, Found):
+            best = min(f.makespan for f in front if f.peak <= item.peak * (1 + 1e-9))
+            assert best <= item.makespan + 1e-9, item.how
+
+
+# ---------------------------------------------------------------- the deck and `plan`
+
+
+def parse(table):
+    return parse_section(PipelineConfig, table, "deck.toml", "pipeline")
+
+
+def test_deck_keys():
+    cfg = parse({"schedule": "auto", "memory_budget": 3})
+    assert cfg.memory_budget == 3.0
+    with pytest.raises(ConfigError, match=r"pipeline\.memory_budget is only read when schedule"):
+        parse({"schedule": "zb-v", "memory_budget": 3})
+    with pytest.raises(ConfigError, match=r"pipeline.memory_budget = -1.0 must be >= 0"):
+        parse({"schedule": "auto", "memory_budget": -1.0})
+
+
+def test_load_schedule_auto_and_a_budget_too_small():
+    cfg = PipelineConfig(schedule="auto", microbatches=8, memory_budget=3.0)
+    sched = load_schedule(cfg, 4, "deck.toml")
+    assert sched.name == "auto" and sched.param("memory_budget") == 3.0
+    small = PipelineConfig(schedule="auto", microbatches=8, memory_budget=0.5)
+    with pytest.raises(
+        ConfigError,
+        match=r"deck.toml: pipeline.memory_budget = 0.5 is too small: .* least budget that "
+        r"fits is 1 ",
+    ):
+        load_schedule(small, 4, "deck.toml")
+
+
+def test_plan_report_pareto(tmp_path):
+    cfg = PipelineConfig(schedule="auto", microbatches=8, memory_budget=3.0)
+    out = tmp_path / "front.png"
+    text = plan_report(cfg, 4, pareto_png=str(out), compare=True)
+    assert "pipeline schedule auto: p=4 ranks, 8 stages" in text
+    assert "schedule search: memory_budget 3 " in text
+    assert "predicted makespan 26.5;" in text
+    assert "schedule search front for p=4, m=8" in text
+    assert ">       3       26.5  greedy: V placement" in text
+    assert "        2       29.5  fixed: v-min" in text
+    assert " v-half            2         3         29       26.5    8.6%" in text
+    assert "*auto" in text  # --compare lists the search's pick with the fixed schedules
+    assert f"front written to {out}" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plan_pareto(cli):
+    r = cli(
+        [
+            "plan",
+            "inputs/train_tiny.toml",
+            "--set",
+            "topology.pp=4",
+            "--set",
+            "topology.dp=1",
+            "--set",
+            "pipeline.microbatches=8",
+            "--pareto",
+        ]
+    )
+    assert r.returncode == 0, r.output
+    assert "schedule search front for p=4, m=8" in r.stdout
+    assert "        4       25.5  greedy: V placement" in r.stdout
+    r = cli(["plan", "inputs/train_auto.toml", "--set", "pipeline.memory_budget=0.9"])
+    assert r.returncode == 2
+    assert "pipeline.memory_budget = 0.9 is too small" in r.stderr
