@@ -50,6 +50,12 @@ class PipelineConfig:
     t_w: tuple[float, ...] = option(
         (1.0,), "backward-for-weights (W) time, same layout as t_f", minimum=0.0
     )
+    t_alltoall: tuple[float, ...] = option(
+        (0.0,),
+        "MoE all-to-all time per microbatch (dispatch + combine), added to F and to B; same "
+        "layout as t_f (0 on stages without MoE blocks)",
+        minimum=0.0,
+    )
     comm_latency: float = option(0.0, "time for a message between ranks to start", minimum=0.0)
     comm_bandwidth: float | None = option(
         None, "bytes per time unit between ranks (unset: unlimited)", minimum=0.0
@@ -92,7 +98,7 @@ class PipelineConfig:
                 "virtual_stages: only interleaved-1f1b takes it "
                 f"(schedule {self.schedule!r} has a fixed placement)"
             )
-        for key in ("t_f", "t_b", "t_w", "activation_memory"):
+        for key in ("t_f", "t_b", "t_w", "t_alltoall", "activation_memory"):
             values = getattr(self, key)
             if len(values) == 0:
                 raise ValueError(f"{key}: needs at least one value")
@@ -122,9 +128,11 @@ def stage_shares(values: Sequence[float], pp: int, num_stages: int) -> np.ndarra
 
 def cost_model(cfg: PipelineConfig, pp: int, num_stages: int) -> CostModel:
     """The simulator's per-stage costs for a schedule of `num_stages` stages on `pp` ranks."""
+    # MoE: a dispatch and a combine all-to-all in F, their reverses in B, per microbatch
+    a2a = stage_shares(cfg.t_alltoall, pp, num_stages)
     return CostModel(
-        t_f=stage_shares(cfg.t_f, pp, num_stages),
-        t_b=stage_shares(cfg.t_b, pp, num_stages),
+        t_f=stage_shares(cfg.t_f, pp, num_stages) + a2a,
+        t_b=stage_shares(cfg.t_b, pp, num_stages) + a2a,
         t_w=stage_shares(cfg.t_w, pp, num_stages),
         comm_latency=cfg.comm_latency,
         comm_bandwidth=cfg.comm_bandwidth,
