@@ -187,7 +187,7 @@ def _execute_plan(args: argparse.Namespace) -> int:
 def _sweep_plan(config: Config, world: int) -> str:
     """The KBA decomposition and its predicted stage count and efficiency (no MPI)."""
     from hpcpipe.sweep.mesh import build_problem
-    from hpcpipe.sweep.plan import PlanError, build_plan, simulate
+    from hpcpipe.sweep.plan import PlanError, plan_for, simulate
 
     cfg = config.sweep
     if cfg.px * cfg.py != world:
@@ -199,15 +199,7 @@ def _sweep_plan(config: Config, world: int) -> str:
         )
     problem = build_problem(cfg)
     try:
-        plan = build_plan(
-            cfg.px,
-            cfg.py,
-            problem.mesh.shape,
-            problem.quadrature.per_octant,
-            cfg.z_block,
-            cfg.angle_block,
-            cfg.octant_order,
-        )
+        plan = plan_for(cfg, problem)
         sim = simulate(plan)
     except PlanError as exc:
         raise ConfigError(config.source, "sweep", str(exc)) from None

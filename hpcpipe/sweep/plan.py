@@ -15,6 +15,7 @@ one octant takes M + (Px - 1) + (Py - 1) stages; all eight, swept as four corner
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -343,3 +344,16 @@ def validate(plan: SweepPlan) -> Simulation:
                         f"rank {peer}, which never sends it"
                     )
     return simulate(plan)
+
+
+def plan_for(cfg: Any, problem: Any) -> SweepPlan:
+    """The KBA plan of a `[sweep]` deck (`SweepConfig`) for its built `Problem`."""
+    return build_plan(
+        cfg.px,
+        cfg.py,
+        problem.mesh.shape,
+        problem.quadrature.per_octant,
+        cfg.z_block,
+        cfg.angle_block,
+        cfg.octant_order,
+    )

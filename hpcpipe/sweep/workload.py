@@ -26,7 +26,7 @@ from hpcpipe.sweep.config import SweepConfig
 from hpcpipe.sweep.mesh import build_problem
 from hpcpipe.sweep.output import write_flux, write_slice_png, write_xdmf
 from hpcpipe.sweep.parallel import KBASweeper
-from hpcpipe.sweep.plan import SweepPlan, build_plan, validate
+from hpcpipe.sweep.plan import SweepPlan, plan_for, validate
 from hpcpipe.sweep.solver import ConvergenceError, Iterate, LocalCells, SolveResult, solve
 
 __all__ = ["run", "run_sweep"]
@@ -98,15 +98,7 @@ def run_sweep(
     directory = settings.directory(output) if output is not None or settings.dir else None
 
     problem = build_problem(cfg)
-    plan = build_plan(
-        cfg.px,
-        cfg.py,
-        problem.mesh.shape,
-        problem.quadrature.per_octant,
-        cfg.z_block,
-        cfg.angle_block,
-        cfg.octant_order,
-    )
+    plan = plan_for(cfg, problem)
     predicted = validate(plan)
     log(plan.describe())
     log(
