@@ -328,7 +328,10 @@ def world_ranks(comm: Any, world: Any = None) -> np.ndarray:
 
         world = MPI.COMM_WORLD
     ranks = np.arange(comm.Get_size(), dtype=np.int64)
-    out = comm.Get_group().Translate_ranks(ranks.tolist(), world.Get_group())
+    # unbound call: an instance method in mpi4py 4, a classmethod in mpi4py 3
+    out = type(comm.Get_group()).Translate_ranks(
+        comm.Get_group(), ranks.tolist(), world.Get_group()
+    )
     return np.asarray(out, dtype=np.int64)
 
 
