@@ -1,0 +1,47 @@
+"""Regenerate every figure and the performance report: one command.
+
+    python benchmarks/run_all.py             # about 10 minutes on 2 cores
+    python benchmarks/run_all.py --only p2p_latency,pipeline_step
+
+Runs each figure script (each writes benchmarks/results/<figure>.json, some a .png), then
+benchmarks/report.py, which rewrites the tables in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FIGURES = (
+    "p2p_latency",
+    "allreduce_buckets",
+    "moe_alltoall",
+    "pipeline_step",
+    "pipeline_synthetic",
+    "memory_peak",
+    "sweep_grind",
+    "ckpt_bandwidth",
+    "trace_overhead",
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(FIGURES), help="comma-separated figures")
+    args = ap.parse_args()
+    chosen = [f for f in args.only.split(",") if f]
+    unknown = sorted(set(chosen) - set(FIGURES))
+    if unknown:
+        ap.error(f"unknown figure(s) {', '.join(unknown)}; known: {', '.join(FIGURES)}")
+    for figure in chosen:
+        print(f"\n== {figure}", flush=True)
+        subprocess.run([sys.executable, str(HERE / f"{figure}.py")], check=True)
+    subprocess.run([sys.executable, str(HERE / "report.py")], check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

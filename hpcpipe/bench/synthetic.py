@@ -1,0 +1,303 @@
+"""Synthetic-cost pipeline: the real interpreter and transport, with stages that sleep.
+
+Each stage is a stub with the `Stage` interface whose F, B and W sleep for the deck's modelled
+cost (`[pipeline]` t_f / t_b / t_w, in units of `--unit-ms`) and hand on fixed-size arrays, run
+by `hpcpipe.train.pipeline.PipelineRank` itself. A sleeping rank uses no CPU, so 8 or 16 ranks
+fit on 2 cores, and the step time can be held against the plan: the simulator's makespan for
+the same costs. The gap is what the runtime adds (messages, waits, interpreter) plus how late
+the sleeps end; "replay" simulates the durations the stubs actually had, which separates the
+two. Sleeps are plain sleeps with 1 us timer slack: spinning would steal the oversubscribed
+cores from the ranks that have work.
+
+For the same reason, with more ranks on a node than cores (`--wait auto`, or `--wait poll`), a
+rank waiting for a message polls `Test` and sleeps `--poll-us` between polls instead of spinning
+in MPI's `Wait`: the mailbox is the runtime's own with only that blocking call replaced. With
+`--wait mpi` it is the unchanged `Wait`, which is right when every rank has a core.
+
+`--waits-at-consumers` runs each schedule with its receives moved to just before the action
+that uses them (`hpcpipe.bench.model.waits_at_consumers`), to measure what the lowering's
+message order costs against an order the runtime could equally run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcpipe.backend import make_backend
+from hpcpipe.bench.harness import median
+from hpcpipe.bench.model import action_counts, step_figures, waits_at_consumers
+from hpcpipe.bench.table import Column, Report
+from hpcpipe.bench.training import StepClock, bench_config, fine_timer_slack, schedule_names
+from hpcpipe.config import ConfigError
+from hpcpipe.mpi.p2p import Mailbox
+from hpcpipe.schedules import CostModel, Schedule, ScheduleError, validate
+from hpcpipe.schedules.config import cost_model
+from hpcpipe.schedules.report import load_schedule
+from hpcpipe.train.pipeline import PipelineRank
+
+__all__ = ["SleepStage", "run_synthetic"]
+
+COLUMNS = [
+    Column("schedule", "schedule", "", 16, "<"),
+    Column("plan_ms", "plan ms", ".2f", 9),
+    Column("plan_in_order_ms", "in-order ms", ".2f", 11),
+    Column("measured_ms", "measured ms", ".2f", 11),
+    Column("plan_ratio", "vs plan", ".3f", 7),
+    Column("plan_runtime_ratio", "vs in-order", ".3f", 11),
+    Column("ratio", "vs replay", ".3f", 9),
+    Column("runtime_ratio", "vs replay in-order", ".3f", 9),
+    Column("bubble_pct", "bubble %", ".1f", 8),
+    Column("bubble_plan_pct", "plan %", ".1f", 6),
+    Column("late_us", "late us/action", ".1f", 8),
+    Column("other_ms", "other ms", ".2f", 8),
+]
+
+
+class PollingMailbox(Mailbox):
+    """The runtime's mailbox, waiting by `Test` + sleep: on an oversubscribed node a rank
+    spinning in `Wait` would take the core from one whose sleep (its compute) has ended."""
+
+    poll_s: float = 20e-6
+
+    def wait_recv(self, stage: int, microbatch: int, direction: int) -> Any:
+        request = self._recvs[(stage, microbatch, direction)].request
+        while not request.Test():
+            time.sleep(self.poll_s)
+        return super().wait_recv(stage, microbatch, direction)  # completes at once
+
+
+def _pause(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class SleepStage:
+    """The `Stage` interface with sleeps for compute: F, B and W each take a fixed time."""
+
+    def __init__(
+        self, stage: int, num_stages: int, times: tuple[float, float, float], act_elems: int
+    ):
+        self.index = stage
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self.t_f, self.t_b, self.t_w = times
+        self._out = np.zeros(act_elems, dtype=np.float32)  # sent on by F, back by B
+        self._saved = np.zeros(act_elems, dtype=np.float32)  # stands for saved activations
+        self._loss = np.zeros((), dtype=np.float32)
+        self._grads = {stage: {"w": np.ones(1, dtype=np.float32)}}
+
+    def init(self) -> dict[int, dict[str, np.ndarray]]:
+        """Parameters: one number, so the runtime's gradient buffers stay trivial."""
+        return {self.index: {"w": np.zeros(1, dtype=np.float32)}}
+
+    def forward(
+        self, params: Any, x: Any, targets: Any = None, *, loss_weight: float = 1.0
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        _pause(self.t_f)
+        return (self._loss if self.is_last else self._out), [self._saved]
+
+    def backward_input(self, params: Any, ctx: Any, dy: Any) -> tuple[np.ndarray | None, Any]:
+        _pause(self.t_b)
+        return (None if self.is_first else self._out), ctx
+
+    def backward_weight(self, params: Any, wctx: Any) -> dict[int, dict[str, np.ndarray]]:
+        _pause(self.t_w)
+        return self._grads
+
+
+def _plan(config: Any, schedule: Schedule, unit: float) -> CostModel:
+    """The deck's cost model for this schedule, in seconds; transfers free (tiny messages)."""
+    costs = cost_model(config.pipeline, schedule.num_ranks, schedule.num_stages)
+    arrays = costs.stage_arrays(schedule.num_stages)
+    return CostModel(t_f=arrays["t_f"] * unit, t_b=arrays["t_b"] * unit, t_w=arrays["t_w"] * unit)
+
+
+def _runner(
+    comm: MPI.Comm, lowered: Schedule, plan: CostModel, act_elems: int, poll_s: float
+) -> tuple[PipelineRank, MPI.Comm]:
+    arrays = plan.stage_arrays(lowered.num_stages)
+    mine = lowered.stages_of_rank[comm.rank]
+    stages = {
+        s: SleepStage(
+            s,
+            lowered.num_stages,
+            (float(arrays["t_f"][s]), float(arrays["t_b"][s]), float(arrays["t_w"][s])),
+            act_elems,
+        )
+        for s in mine
+    }
+    pp = comm.Dup()
+    runner = PipelineRank(
+        lowered,
+        comm.rank,
+        stages,  # type: ignore[arg-type]
+        {s: stage.init() for s, stage in stages.items()},
+        pp_comm=pp,
+        dp_comm=MPI.COMM_SELF,
+        backend=make_backend("cpu", "float32", 0),
+        act_shape=(act_elems,),
+    )
+    if poll_s > 0:
+        runner.mailbox = PollingMailbox(pp, runner.backend, runner.n_stages)
+        runner.mailbox.poll_s = poll_s
+    return runner, pp
+
+
+def _polling(comm: MPI.Comm, wait: str) -> bool:
+    """`auto`: poll when this node holds more ranks than it has cores."""
+    if wait != "auto":
+        return wait == "poll"
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    crowded = node.size > (os.cpu_count() or 1)
+    node.Free()
+    return bool(comm.allreduce(int(crowded), op=MPI.MAX))
+
+
+def _late_us(
+    lowered: Schedule, plan: CostModel, times: list[dict[tuple[str, int], float]]
+) -> float:
+    """Mean overshoot of a compute action over its planned time (sleep wake-up latency)."""
+    arrays = plan.stage_arrays(lowered.num_stages)
+    key = {"F": "t_f", "B": "t_b", "W": "t_w", "BW": "t_bw"}
+    counts = action_counts(lowered)
+    late, count = 0.0, 0
+    for per_rank in times:
+        for (kind, s), total in per_rank.items():
+            if kind in key:
+                n = counts[(kind, s)]
+                late += total - n * float(arrays[key[kind]][s])
+                count += n
+    return late / count * 1e6 if count else float("nan")
+
+
+def run_synthetic(comm: MPI.Comm, args: argparse.Namespace) -> Report:
+    fine_timer_slack()
+    unit = args.unit_ms * 1e-3
+    act_elems = max(1, args.act_bytes // 4)
+    config = bench_config(args.deck, args.overrides, comm.size)
+    poll = _polling(comm, args.wait)
+    names = schedule_names(args.schedules)
+    report = Report(
+        "pipeline-synthetic",
+        [
+            f"synthetic-cost pipeline on {comm.size} ranks: PipelineRank with stages that sleep "
+            f"for the deck's [pipeline] costs x {args.unit_ms:g} ms ({args.deck}"
+            + (f" with {' '.join(args.overrides)}" if args.overrides else "")
+            + f"), m={config.pipeline.microbatches}, {args.act_bytes}-byte activations, "
+            + (f"waits poll Test + {args.poll_us:g} us sleeps" if poll else "waits in MPI Wait")
+            + (", receives waited for at their consumer" if args.waits_at_consumers else ""),
+            f"{args.repeats} steps per schedule after a warm-up, each started at one instant on "
+            "all ranks; medians over steps; plan = simulator with the modelled costs; in-order "
+            "= the plan kept in the lowered schedule's message order (what the runtime runs); "
+            "replay = the same two with the durations the sleeps really had",
+            "late = mean time an F/B/W ran past its modelled cost (sleep wake-up); other = time "
+            "outside any action per rank (posting, loop, drain)",
+        ],
+        COLUMNS,
+        params={
+            "deck": args.deck,
+            "overrides": args.overrides,
+            "schedules": names,
+            "repeats": args.repeats,
+            "unit_ms": args.unit_ms,
+            "act_bytes": args.act_bytes,
+            "microbatches": config.pipeline.microbatches,
+            "wait": "poll" if poll else "mpi",
+            "poll_us": args.poll_us if poll else None,
+            "waits_at_consumers": args.waits_at_consumers,
+        },
+        stream=comm.rank == 0,
+    )
+    report.start()
+    clock = StepClock(comm)
+    for name in names:
+        cfg = bench_config(args.deck, args.overrides, comm.size, f"pipeline.schedule={name}")
+        try:
+            schedule = load_schedule(cfg.pipeline, comm.size, cfg.source)
+            lowered = validate(schedule)
+        except (ConfigError, ScheduleError) as exc:
+            report.add({"schedule": name, "skipped": str(exc).splitlines()[0]})
+            report.note(f"{name} skipped: {str(exc).splitlines()[0]}")
+            continue
+        if args.waits_at_consumers:
+            lowered = waits_at_consumers(lowered)
+        plan = _plan(cfg, schedule, unit)
+        runner, pp = _runner(comm, lowered, plan, act_elems, args.poll_us * 1e-6 if poll else 0.0)
+        m = lowered.num_microbatches
+        record = []
+        for step in range(args.repeats + 1):
+            t0 = clock.start()
+            begin = time.perf_counter()
+            result = runner.step(step, [None] * m, [None] * m, 1.0 / m)
+            if step:  # step 0 is the warm-up
+                record.append((t0, (begin, time.perf_counter()), result.action_times))
+        pp.Free()
+        parts = comm.gather(record, root=0)
+        if parts is None:
+            continue
+        steps = []
+        for i in range(args.repeats):
+            ranks = [part[i] for part in parts]
+            times = [t for _, _, t in ranks]
+            figures = step_figures(
+                lowered, [s for _, s, _ in ranks], times, plan=plan, start=ranks[0][0]
+            )
+            figures["late_us"] = _late_us(lowered, plan, times)
+            steps.append(figures)
+        report.add(_row(name, steps))
+    _summarize(report, comm.size)
+    return report
+
+
+def _row(name: str, steps: list[dict[str, float]]) -> dict[str, Any]:
+    def med(key: str) -> float:
+        return median([s[key] for s in steps])
+
+    return {
+        "schedule": name,
+        "plan_ms": med("plan_s") * 1e3,
+        "measured_ms": med("measured_s") * 1e3,
+        "plan_ratio": med("plan_ratio"),
+        "plan_in_order_ms": med("plan_in_order_s") * 1e3,
+        "plan_runtime_ratio": med("plan_runtime_ratio"),
+        "runtime_ratio": med("runtime_ratio"),
+        "in_order_ms": med("in_order_s") * 1e3,
+        "replay_ms": med("replay_s") * 1e3,
+        "ratio": med("ratio"),
+        "bubble_pct": med("bubble") * 100,
+        "bubble_plan_pct": med("bubble_plan") * 100,
+        "late_us": med("late_us"),
+        "other_ms": med("other_s") * 1e3,
+        "us_per_action": med("other_us_per_action"),
+        "start_late_us": med("start_late_us"),
+        "recv_ms": med("recv_s") * 1e3,
+        "per_step": steps,
+    }
+
+
+def _summarize(report: Report, ranks: int) -> None:
+    rows = [r for r in report.rows if "ratio" in r]
+    if not rows:
+        return
+    plan = np.array([r["plan_ratio"] for r in rows])
+    replay = np.array([r["ratio"] for r in rows])
+    in_order = np.array([r["plan_runtime_ratio"] for r in rows])
+    report.summary |= {
+        "max_plan_ratio": float(plan.max()),
+        "median_plan_ratio": float(np.median(plan)),
+        "max_replay_ratio": float(replay.max()),
+        "max_plan_in_order_ratio": float(in_order.max()),
+        "median_plan_in_order_ratio": float(np.median(in_order)),
+    }
+    report.note(
+        f"{ranks} ranks: measured / plan median {np.median(plan):.3f}, max {plan.max():.3f} "
+        f"(target <= 1.03: {'met' if plan.max() <= 1.03 else 'MISSED'}); measured / plan "
+        f"in message order median {np.median(in_order):.3f}, max {in_order.max():.3f}; "
+        f"measured / replay max {replay.max():.3f}"
+    )

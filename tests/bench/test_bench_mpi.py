@@ -1,0 +1,160 @@
+"""Every `hpcpipe bench` subcommand on a tiny size under real mpiexec: it runs, rank 0 prints
+the table once, and --json holds well-formed rows with the expected columns. Correctness only:
+nothing here asserts a timing."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import INPUTS
+
+pytestmark = pytest.mark.mpi
+
+TINY = str(INPUTS / "train_tiny.toml")
+
+
+def _bench(mpirun, tmp_path: Path, n: int, args: list[str], timeout: float = 180) -> dict:
+    out = tmp_path / "result.json"
+    r = mpirun(n, ["bench", *args, "--json", str(out)], timeout=timeout)
+    assert r.returncode == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["format"] == "hpcpipe-bench" and data["version"] == 1
+    assert data["machine"]["ranks"] == n and data["command"].startswith(f"mpiexec -n {n} ")
+    heads = [c["head"] for c in data["columns"]]
+    header = " ".join(heads)
+    assert r.stdout.count(heads[0]) >= 1
+    assert sum(" ".join(line.split()) == header for line in r.stdout.splitlines()) == 1, (
+        "rank 0 alone prints the header, once"
+    )
+    keys = {c["key"] for c in data["columns"]}
+    for row in data["rows"]:
+        if "skipped" not in row:
+            assert keys <= set(row), f"row lacks {keys - set(row)}"
+    return data
+
+
+def _positive(rows: list[dict], *keys: str) -> None:
+    for row in rows:
+        for key in keys:
+            assert isinstance(row[key], float | int) and math.isfinite(row[key]), (key, row)
+            assert row[key] > 0, (key, row)
+
+
+def test_p2p(mpirun, tmp_path):
+    data = _bench(
+        mpirun,
+        tmp_path,
+        2,
+        ["p2p", "--max-bytes", "4Ki", "--factor", "16", "--repeats", "2", "--budget-mib", "1"],
+    )
+    assert [r["bytes"] for r in data["rows"]] == [1, 16, 256, 4096]
+    _positive(data["rows"], "raw_us", "mailbox_us", "ratio", "raw_mbps", "mailbox_mbps")
+    assert all(len(r["raw_us_all"]) == 2 for r in data["rows"])
+    assert "max_extra_us_lt_64KiB" in data["summary"]
+
+
+def test_p2p_needs_two_ranks(mpirun):
+    r = mpirun(3, ["bench", "p2p", "--max-bytes", "1"], timeout=120)
+    assert r.returncode == 2 and "runs on exactly 2 ranks" in r.stderr, r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["pipeline", "no/such/deck.toml"], "no such input deck"),
+        (["pipeline", TINY, "--schedules", "1f1b,zb-w"], "unknown 'zb-w'"),
+        (["memory", TINY, "--set", "model.layers=-1"], "model.layers"),
+    ],
+)
+def test_bad_input_exits_2(mpirun, args, message):
+    r = mpirun(2, ["bench", *args], timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.output
+
+
+def test_allreduce(mpirun, tmp_path):
+    args = ["allreduce", "--max-bytes", "64Ki", "--factor", "8", "--repeats", "2"]
+    data = _bench(mpirun, tmp_path, 2, [*args, "--bucket-mb", "0.01"])
+    assert [r["bytes"] for r in data["rows"]] == [1024, 8192, 65536]
+    assert [r["buckets"] for r in data["rows"]] == [1, 1, 7]
+    _positive(data["rows"], "raw_us", "bucketed_us", "ratio", "raw_gbps", "bucketed_gbps")
+
+
+def test_alltoall(mpirun, tmp_path):
+    data = _bench(mpirun, tmp_path, 2, ["alltoall", "--max-bytes", "8Ki", "--repeats", "2"])
+    assert [r["bytes"] for r in data["rows"]] == [1024, 2048, 4096, 8192]
+    _positive(data["rows"], "raw_us", "flat_us", "dispatch_us", "two_phase_us", "flat_ratio")
+
+
+def test_pipeline_measured(mpirun, tmp_path):
+    args = ["pipeline", TINY, "--schedules", "1f1b,zb-v,dualpipe-v", "--repeats", "2"]
+    args += ["--set", "pipeline.microbatches=2"]
+    data = _bench(mpirun, tmp_path, 2, [*args, "--steps", "1"])
+    rows = {r["schedule"]: r for r in data["rows"]}
+    assert list(rows) == ["1f1b", "zb-v", "dualpipe-v"]
+    assert "m >= 2p" in rows["dualpipe-v"]["skipped"]  # cannot run with this deck: a row says so
+    ran = [rows["1f1b"], rows["zb-v"]]
+    _positive(ran, "measured_ms", "replay_ms", "ratio", "step_ms")
+    for row in ran:
+        assert row["steps"] == 2 and len(row["per_step"]) == 2
+        assert 0 <= row["bubble_pct"] < 100 and 0 <= row["bubble_replay_pct"] < 100
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_pipeline_synthetic_oversubscribed(mpirun, tmp_path, waits):
+    args = ["pipeline", TINY, "--synthetic", "--unit-ms", "0.5", "--repeats", "2"]
+    args += ["--schedules", "1f1b,interleaved-1f1b,dualpipe-v"]
+    data = _bench(mpirun, tmp_path, 4, [*args, *(["--waits-at-consumers"] if waits else [])])
+    rows = {r["schedule"]: r for r in data["rows"]}
+    assert "skipped" in rows["dualpipe-v"]  # needs m >= 2p
+    assert data["params"]["wait"] in ("poll", "mpi")
+    assert data["params"]["waits_at_consumers"] is waits
+    for row in (rows["1f1b"], rows["interleaved-1f1b"]):
+        _positive([row], "plan_ms", "plan_in_order_ms", "measured_ms", "replay_ms", "ratio")
+    # the plan is the simulator's: 1F1B, p=4, m=4, F=B=W=1 unit -> (m + p - 1) * 3 units
+    assert rows["1f1b"]["plan_ms"] == pytest.approx(7 * 3 * 0.5)
+    inter = rows["interleaved-1f1b"]
+    if waits:  # waiting at the consumer runs the plan in the simulator's time
+        assert inter["plan_in_order_ms"] == pytest.approx(inter["plan_ms"])
+    else:  # the lowering's message order is slower than the plan
+        assert inter["plan_in_order_ms"] > inter["plan_ms"]
+
+
+def test_sweep(mpirun, tmp_path):
+    data = _bench(
+        mpirun, tmp_path, 2, ["sweep", "--n", "4", "--repeats", "1", "--blockings", "0x0,2x5"]
+    )
+    assert [(r["ranks"], r["z_block"], r["angle_block"]) for r in data["rows"]] == [
+        (1, 4, 10),
+        (1, 2, 2),
+        (2, 4, 10),
+        (2, 2, 5),
+    ]
+    _positive(data["rows"], "sweep_s", "grind_ns", "predicted")
+    _positive(data["rows"][2:], "measured", "model")
+
+
+def test_ckpt(mpirun, tmp_path):
+    args = ["ckpt", "--size-mib", "2", "--tensors", "2", "--repeats", "1", "--dir", str(tmp_path)]
+    data = _bench(mpirun, tmp_path, 2, args)
+    assert len(data["rows"]) == 4
+    _positive(data["rows"][:3], "write_gbps", "read_gbps")
+    assert data["rows"][3]["read_gbps"] > 0
+    assert not list(tmp_path.glob("hpcpipe_bench_ckpt_*")), "scratch files left behind"
+
+
+def test_memory_matches_the_activation_model(mpirun, tmp_path):
+    args = ["memory", TINY, "--schedules", "1f1b,zb-v", "--steps", "2"]
+    data = _bench(mpirun, tmp_path, 2, args)
+    assert [(r["schedule"], r["rank"]) for r in data["rows"]] == [
+        ("1f1b", 0),
+        ("1f1b", 1),
+        ("zb-v", 0),
+        ("zb-v", 1),
+    ]
+    _positive(data["rows"], "peak_rss_mib", "model_mib", "act_mib", "act_mb")
+    for row in data["rows"]:  # the runtime's tracked peak is the memory model's, exactly
+        assert row["act_mib"] == pytest.approx(row["act_model_mib"], rel=1e-12)
+        assert row["act_mb"] == row["act_model_mb"]

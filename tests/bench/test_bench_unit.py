@@ -1,0 +1,221 @@
+"""`hpcpipe bench` without mpiexec: registry and CLI, result tables, the plan-side figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from hpcpipe.bench import BENCHMARKS, Column, Report, benchmark
+from hpcpipe.bench.model import (
+    action_counts,
+    activation_peaks,
+    measured_costs,
+    replay_in_order,
+    step_figures,
+    waits_at_consumers,
+)
+from hpcpipe.bench.sizes import met_from, parse_bytes, size_range
+from hpcpipe.bench.table import read_report
+from hpcpipe.config import ConfigError
+from hpcpipe.schedules import SCHEDULE_NAMES, CostModel, Kind, build_schedule, simulate, validate
+
+NAMES = ("p2p", "allreduce", "alltoall", "pipeline", "sweep", "ckpt", "memory")
+
+
+def test_help_lists_every_benchmark(cli):
+    r = cli(["bench", "--help"])
+    assert r.returncode == 0, r.output
+    for name in NAMES:
+        assert f"    {name}" in r.stdout
+    assert set(BENCHMARKS) == set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_benchmark_has_json_and_repeats(cli, name):
+    r = cli(["bench", name, "--help"])
+    assert r.returncode == 0, r.output
+    assert "--json PATH" in r.stdout and "--repeats" in r.stdout
+
+
+def test_cli_parser_never_imports_mpi4py():
+    code = (
+        "import sys; from hpcpipe.cli import build_parser; "
+        "build_parser().parse_args(['bench', 'pipeline', '--synthetic']); "
+        "assert 'mpi4py' not in sys.modules, sorted(m for m in sys.modules if 'mpi' in m)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+
+
+def test_runner_targets_resolve():
+    code = (
+        "from hpcpipe.bench.cli import BENCHMARKS; "
+        "print(sorted(b.name for b in BENCHMARKS.values() if callable(b.runner())))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(sorted(NAMES))
+
+
+def test_registry_refuses_duplicates_and_bad_targets():
+    with pytest.raises(ValueError, match="registered twice"):
+        benchmark("p2p", "again", "hpcpipe.bench.p2p:run")(lambda p: None)
+    with pytest.raises(ValueError, match="module:function"):
+        benchmark("not-a-benchmark", "x", "hpcpipe.bench.p2p")(lambda p: None)
+    assert "not-a-benchmark" not in BENCHMARKS
+
+
+def test_bad_sizes_are_usage_errors(cli):
+    r = cli(["bench", "p2p", "--max-bytes", "12 parsecs"])
+    assert r.returncode == 2 and "is not a size" in r.stderr
+
+
+def test_parse_bytes_and_ranges():
+    assert parse_bytes("1") == 1
+    assert parse_bytes("64Ki") == parse_bytes("64K") == parse_bytes("64KiB") == 65536
+    assert parse_bytes("64MiB") == 64 << 20
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("0")
+    assert size_range(1, 64 << 20, 2)[-1] == 64 << 20 and len(size_range(1, 64 << 20, 2)) == 27
+    assert size_range(1024, 5000, 4) == [1024, 4096, 5000]
+    with pytest.raises(ConfigError):
+        size_range(10, 1, 2)
+    with pytest.raises(ConfigError):
+        size_range(1, 10, 1)
+    rows = [{"bytes": b, "r": r} for b, r in ((1, 1.5), (2, 1.01), (4, 1.2), (8, 1.0), (16, 1.04))]
+    assert met_from(rows, "r", 1.05) == 8
+    assert met_from(rows, "r", 1.0) is None
+
+
+def test_report_round_trips_through_json(tmp_path):
+    report = Report(
+        "demo",
+        ["a title"],
+        [Column("name", "name", "", 6, "<"), Column("x", "x us", ".2f", 8), Column("ok", "ok")],
+        params={"n": np.int64(3)},
+    )
+    report.add({"name": "a", "x": 1.234567, "ok": True, "extra": np.arange(2)})
+    report.add({"name": "b", "x": float("nan"), "ok": False})
+    report.note("done")
+    text = report.render()
+    lines = text.splitlines()
+    assert lines[0] == "# a title" and lines[-1] == "# done"
+    assert lines[2].split() == ["a", "1.23", "yes"]
+    assert lines[3].split() == ["b", "-", "NO"]
+    path = report.write(tmp_path / "r.json", machine={"cores": 2})
+    data = json.loads(path.read_text())  # strict JSON: NaN became null
+    assert data["rows"][1]["x"] is None and data["rows"][0]["extra"] == [0, 1]
+    again, raw = read_report(path)
+    assert again.render() == text and raw["machine"] == {"cores": 2}
+    path.write_text(json.dumps({**data, "version": 99}))
+    with pytest.raises(ValueError, match="rerun the benchmark"):
+        read_report(path)
+
+
+def _synthetic_step(schedule, costs: CostModel, stretch: float = 1.0):
+    """What a perfect runtime would measure: every rank busy exactly as simulated."""
+    sim = simulate(schedule, costs)
+    arrays = costs.stage_arrays(schedule.num_stages)
+    key = {0: ("F", "t_f"), 1: ("B", "t_b"), 2: ("W", "t_w"), 3: ("BW", "t_bw")}
+    times = []
+    for r in range(schedule.num_ranks):
+        lo, hi = sim.offsets[r], sim.offsets[r + 1]
+        mine: dict[tuple[str, int], float] = {}
+        for k, s in zip(sim.kind[lo:hi], sim.stage[lo:hi], strict=True):
+            name, field = key[int(k)]
+            mine[(name, int(s))] = mine.get((name, int(s)), 0.0) + float(arrays[field][s])
+        times.append(mine)
+    spans = [(10.0, 10.0 + sim.makespan * stretch)] * schedule.num_ranks
+    return sim, spans, times
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "interleaved-1f1b", "gpipe"])
+def test_step_figures_of_a_perfect_step(name):
+    schedule = validate(build_schedule(name, 4, 8))
+    costs = CostModel(t_f=1.0, t_b=1.5, t_w=0.5)
+    sim, spans, times = _synthetic_step(schedule, costs)
+    fig = step_figures(schedule, spans, times, plan=costs)
+    assert fig["ratio"] == pytest.approx(1.0) and fig["plan_ratio"] == pytest.approx(1.0)
+    assert fig["bubble"] == pytest.approx(sim.bubble_fraction)
+    assert fig["bubble_replay"] == pytest.approx(sim.bubble_fraction)
+    slow = step_figures(schedule, *_synthetic_step(schedule, costs, stretch=1.25)[1:])
+    assert slow["ratio"] == pytest.approx(1.25)
+    assert slow["bubble"] > sim.bubble_fraction
+
+
+def test_measured_costs_per_stage_and_fused_backward():
+    schedule = build_schedule("1f1b", 2, 4)
+    times = {("F", 0): 4.0, ("F", 1): 8.0, ("BW", 0): 6.0, ("BW", 1): 10.0}
+    c = measured_costs(schedule, times)
+    assert np.allclose(c.t_f, [1.0, 2.0]) and np.allclose(c.t_bw, [1.5, 2.5])
+    assert np.allclose(np.asarray(c.t_b) + np.asarray(c.t_w), [1.5, 2.5])
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "interleaved-1f1b"])
+def test_activation_peaks_agree_with_the_simulator(name):
+    schedule = build_schedule(name, 4, 8)
+    n = schedule.num_stages
+    held = activation_peaks(schedule, [1.0] * n, [1.0] * n)
+    assert np.allclose(held, simulate(schedule, CostModel(activation=1.0)).peak_memory)
+    freed = activation_peaks(schedule, [1.0] * n, [0.0] * n)
+    assert np.allclose(freed, simulate(schedule, CostModel(b_frees=1.0)).peak_memory)
+    sizes = np.arange(1.0, n + 1.0)
+    scaled = activation_peaks(schedule, sizes, 0.25 * sizes)
+    assert np.all(scaled <= activation_peaks(schedule, sizes, sizes) + 1e-12)
+    assert all(math.isfinite(x) and x > 0 for x in scaled)
+
+
+def test_fused_backward_peaks_between_its_b_and_w_halves():
+    # 1F1B on 2 ranks, m=4: rank 0 runs F0 F1 BW0 ...; inside BW0 the B half turns F0's 1.0
+    # into W's 1.5 (W also needs the output gradient) while F1's 1.0 is still alive
+    schedule = build_schedule("1f1b", 2, 4)
+    peaks = activation_peaks(schedule, [1.0, 1.0], [1.5, 1.5])
+    assert peaks.tolist() == [2.5, 1.5]
+
+
+def test_measured_costs_average_over_the_actions_a_schedule_runs():
+    # DualPipe-V fuses B and W for most microbatches of a stage and splits a few
+    schedule = build_schedule("dualpipe-v", 2, 8)
+    counts = action_counts(schedule)
+    assert counts[("F", 0)] == 8 and counts[("BW", 0)] + counts[("B", 0)] == 8
+    assert counts[("B", 0)] == counts[("W", 0)] > 0
+    costs = CostModel(t_f=1.0, t_b=2.0, t_w=0.5, t_bw=2.5)
+    arrays = costs.stage_arrays(schedule.num_stages)
+    field = {"F": "t_f", "B": "t_b", "W": "t_w", "BW": "t_bw"}
+    totals = {key: n * float(arrays[field[key[0]]][key[1]]) for key, n in counts.items()}
+    got = measured_costs(schedule, totals)
+    for name in ("t_f", "t_b", "t_w", "t_bw"):
+        assert np.allclose(getattr(got, name), arrays[name]), name
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_waiting_at_consumers_runs_the_plan_in_the_simulators_time(name):
+    schedule = build_schedule(name, 4, 8)
+    lowered = validate(schedule)
+    costs = CostModel(t_f=1.0, t_b=1.3, t_w=0.7)
+    planned = simulate(schedule, costs).makespan
+    assert replay_in_order(lowered, costs) >= planned - 1e-9
+    moved = waits_at_consumers(lowered)
+    assert replay_in_order(moved, costs) == pytest.approx(planned)
+    for r in range(lowered.num_ranks):  # the same actions, every receive before its consumer
+        before, after = lowered.rank_actions(r), moved.rank_actions(r)
+        assert sorted(before) == sorted(after)
+        for i, a in enumerate(after):
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                use = after[i + 1]
+                assert (use.stage, use.microbatch) == (a.stage, a.microbatch)
+
+
+def test_the_lowered_message_order_can_cost_time():
+    # interleaved 1F1B: the lowering places receives by a unit-time run (a fused BW counted
+    # as one unit), so a rank can wait for a message while work it could do waits behind it
+    schedule = build_schedule("interleaved-1f1b", 2, 8)
+    costs = CostModel()
+    assert replay_in_order(validate(schedule), costs) > 1.1 * simulate(schedule, costs).makespan
