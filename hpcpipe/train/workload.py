@@ -444,13 +444,20 @@ def _report_timing(
     The ratio is what the runtime (messages, waits, Python) adds beyond the plan's critical
     path of compute; it is the figure `benchmarks/pipeline_step.py` reports.
     """
+    from collections import Counter
+
     from hpcpipe.schedules import CostModel, simulate
 
-    m = schedule.num_microbatches
+    # per-action cost = time of a (kind, stage) over its count: not always m (DualPipeV mixes
+    # fused BW with split B/W on one stage)
+    counts = Counter(
+        (a.kind.name, a.stage) for a in schedule.rank_actions(ctx.rankmap.coords(ctx.rank)["pp"])
+    )
     mine: dict[tuple[str, int], float] = {}
     for key in {k for entry in action_log for k in entry}:
-        if key[0] in ("F", "B", "W", "BW"):
-            mine[key] = float(np.median([entry.get(key, 0.0) for entry in action_log])) / m
+        if key[0] in ("F", "B", "W", "BW") and counts[key]:
+            total = float(np.median([entry.get(key, 0.0) for entry in action_log]))
+            mine[key] = total / counts[key]
     parts = ctx.comms.group("pp").gather(mine, root=0)
     pipe = float(np.median(pipe_times)) if pipe_times else 0.0
     if ctx.rank != 0:
