@@ -56,11 +56,15 @@ class Mailbox:
     def __post_init__(self) -> None:
         # TAG_UB is guaranteed on COMM_WORLD only (Open MPI does not copy it to derived comms)
         self.tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
+        self._host = not self.backend.on_gpu
 
     def send(self, array: Any, peer: int, stage: int, microbatch: int, direction: int) -> None:
         """Start sending `array` (for `stage` on `peer`); it must not change until `drain`."""
         tag = message_tag(stage, microbatch, direction, self.n_stages, self.tag_ub)
-        buf = self.backend.mpi_send_buffer(array, slot=f"send{stage}.{microbatch}.{direction}")
+        if self._host:  # CPU: the array itself goes to MPI (no staging slot, no backend call)
+            buf = array
+        else:
+            buf = self.backend.mpi_send_buffer(array, slot=f"send{stage}.{microbatch}.{direction}")
         self._sends.append((self.comm.Isend(buf, dest=peer, tag=tag), buf))
         self.bytes_sent += array.nbytes
         if len(self._sends) >= 64:
@@ -75,7 +79,10 @@ class Mailbox:
             return
         tag = message_tag(stage, microbatch, direction, self.n_stages, self.tag_ub)
         array = make()
-        buf = self.backend.mpi_recv_buffer(array, slot=f"recv{stage}.{microbatch}.{direction}")
+        if self._host:
+            buf = array
+        else:
+            buf = self.backend.mpi_recv_buffer(array, slot=f"recv{stage}.{microbatch}.{direction}")
         self._recvs[key] = _Pending(
             self.comm.Irecv(buf, source=peer, tag=tag), array, buf, array.nbytes
         )
@@ -87,7 +94,8 @@ class Mailbox:
         """Block until the posted receive completes and return its array."""
         pending = self._recvs.pop((stage, microbatch, direction))
         pending.request.Wait()
-        self.backend.finish_recv(pending.array, pending.buffer)
+        if not self._host:
+            self.backend.finish_recv(pending.array, pending.buffer)
         self.bytes_received += pending.nbytes
         return pending.array
 
