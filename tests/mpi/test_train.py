@@ -14,20 +14,12 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcpipe.schedules import SCHEDULE_NAMES
+
 pytestmark = pytest.mark.mpi
 
 DECK = str(Path(__file__).resolve().parents[2] / "inputs" / "train_tiny.toml")
-SCHEDULES = [
-    "gpipe",
-    "1f1b",
-    "interleaved-1f1b",
-    "zb-h1",
-    "zb-h2",
-    "zb-v",
-    "v-half",
-    "v-min",
-    "dualpipe-v",
-]
+SCHEDULES = list(SCHEDULE_NAMES)  # every generator the registry knows (auto: test_auto_mpi)
 LAYOUTS = [(2, 1), (4, 1), (2, 2), (4, 2)]
 
 
