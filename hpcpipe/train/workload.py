@@ -179,7 +179,20 @@ class Trainer:
         path = save(self.ctx, done, self.params, self.opt_state, self.history)
         if self.rec.enabled:
             self.rec.record(EventKind.CHECKPOINT, -1, -1, t0, self.rec.now())
+            self._write_trace()  # so a run that dies later keeps its trace up to here
         self.ctx.log(f"checkpoint: {path}")
+        return path
+
+    def _write_trace(self) -> Path:
+        """Collective: the whole trace so far to trace.h5 (rewritten at each call)."""
+        path = self.cfg.trace.resolve_path(self.ctx.output)
+        meta = {
+            "config": self.cfg,
+            "topology": self.ctx.rankmap,
+            "schedule": self.lowered,
+            "workload": "train",
+        }
+        write_trace(self.ctx.comms.world, path, self.rec, meta)
         return path
 
     def step(self, step: int, stop: StopSignal | None = None) -> bool:
@@ -272,14 +285,7 @@ class Trainer:
         """Trace, memory and timing reports, metrics file, parameters, verification."""
         ctx, cfg = self.ctx, self.cfg
         if self.rec.enabled:
-            path = cfg.trace.resolve_path(ctx.output)
-            meta = {
-                "config": cfg,
-                "topology": ctx.rankmap,
-                "schedule": self.lowered,
-                "workload": "train",
-            }
-            write_trace(ctx.comms.world, path, self.rec, meta)
+            path = self._write_trace()
             ctx.log(
                 f"trace: {path} ({len(self.rec.events)} events on rank 0); "
                 f"hpcpipe trace summary {path}"
