@@ -488,6 +488,7 @@ def _report_timing(
         f"timing: pipeline step measured {pipe * 1e3:.2f} ms, simulated from measured "
         f"action costs {predicted * 1e3:.2f} ms, ratio {ratio:.3f}; full step with "
         f"optimizer {full * 1e3:.2f} ms (medians over {len(pipe_times)} step(s))"
+        + _oversubscribed(ctx)
     )
     return {
         "pipeline_measured_s": pipe,
@@ -499,6 +500,17 @@ def _report_timing(
         "t_w": t_w,
         "t_bw": t_bw,
     }
+
+
+def _oversubscribed(ctx: RunContext) -> str:
+    """A warning suffix when a node runs more ranks than it has cores: timings mean little."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = ctx.comms.node.size if not ctx.comms.node_info.virtual else ctx.size
+    if cores and local > cores:
+        return f" [oversubscribed: {local} ranks on {cores} cores, times are not meaningful]"
+    return ""
 
 
 def _gather_params(
