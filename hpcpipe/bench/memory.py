@@ -29,9 +29,9 @@ from hpcpipe.bench.training import (
     StepClock,
     StepLog,
     bench_config,
+    build_trainer,
     load_or_skip,
     schedule_names,
-    world_context,
 )
 from hpcpipe.config import ConfigError
 from hpcpipe.model.layers import activation_bytes
@@ -111,7 +111,6 @@ def _stage_bytes(trainer: Any) -> dict[int, tuple[int, int]]:
 
 
 def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
-    from hpcpipe.train.workload import Trainer
 
     if not sys.platform.startswith("linux"):
         raise ConfigError("hpcpipe bench memory", "", "reads /proc: it runs on Linux only")
@@ -142,20 +141,7 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
     clock = StepClock(comm)
 
     def build(name: str) -> tuple[Any, Any]:
-        config = bench_config(
-            args.deck,
-            args.overrides,
-            comm.size,
-            f"pipeline.schedule={name}",
-            f"run.steps={args.steps}",
-            "train.verify=false",
-        )
-        ctx = world_context(comm, config)
-        try:
-            return ctx, Trainer(ctx)
-        except ConfigError:
-            ctx.comms.free()
-            raise
+        return build_trainer(comm, args.deck, args.overrides, name, args.steps)
 
     # One throwaway step first: imports, NumPy caches and MPI buffers are not any schedule's.
     warm, _ = load_or_skip(lambda: build(names[0]))

@@ -28,11 +28,10 @@ from hpcpipe.bench.training import (
     StepClock,
     StepLog,
     bench_config,
+    build_trainer,
     load_or_skip,
     schedule_names,
-    world_context,
 )
-from hpcpipe.config import ConfigError
 
 __all__ = ["COLUMNS", "run", "summarize_steps"]
 
@@ -102,7 +101,6 @@ def _gathered(comm: MPI.Comm, log: StepLog) -> list[list[Any]] | None:
 
 
 def run_measured(comm: MPI.Comm, args: argparse.Namespace) -> Report:
-    from hpcpipe.train.workload import Trainer
 
     names = schedule_names(args.schedules)
     bench_config(args.deck, args.overrides, comm.size)  # a bad deck is bad input, not a skip
@@ -137,20 +135,7 @@ def run_measured(comm: MPI.Comm, args: argparse.Namespace) -> Report:
     for name in names:
 
         def build(name: str = name) -> tuple[Any, Any]:
-            config = bench_config(
-                args.deck,
-                args.overrides,
-                comm.size,
-                f"pipeline.schedule={name}",
-                f"run.steps={total}",
-                "train.verify=false",
-            )
-            ctx = world_context(comm, config)
-            try:
-                return ctx, Trainer(ctx)
-            except ConfigError:
-                ctx.comms.free()
-                raise
+            return build_trainer(comm, args.deck, args.overrides, name, total)
 
         built, why = load_or_skip(build)
         if built is None:

@@ -161,3 +161,26 @@ def load_or_skip(build: Callable[[], Any]) -> tuple[Any, str | None]:
         return build(), None
     except ConfigError as exc:
         return None, str(exc).splitlines()[0]
+
+
+def build_trainer(
+    comm: MPI.Comm, deck: str, overrides: Sequence[str], schedule: str, steps: int
+) -> tuple[RunContext, Any]:
+    """A `Trainer` for `schedule`, built as `hpcpipe run` builds it (no verify, no outputs);
+    frees its communicators again when the deck cannot run that schedule (ConfigError)."""
+    from hpcpipe.train.workload import Trainer
+
+    config = bench_config(
+        deck,
+        overrides,
+        comm.size,
+        f"pipeline.schedule={schedule}",
+        f"run.steps={steps}",
+        "train.verify=false",
+    )
+    ctx = world_context(comm, config)
+    try:
+        return ctx, Trainer(ctx)
+    except ConfigError:
+        ctx.comms.free()
+        raise
