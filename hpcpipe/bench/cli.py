@@ -67,6 +67,18 @@ def _deck(p: argparse.ArgumentParser, default: str) -> None:
 )
 def _p2p(p: argparse.ArgumentParser) -> None:
     _sizes(p, "1", "64Mi", 2, 256)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: device buffers, direct (CUDA-aware MPI) vs staged through pinned host memory",
+    )
+    p.add_argument(
+        "--cuda-aware",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="with --device cuda: whether the direct path may hand device buffers to MPI",
+    )
 
 
 @benchmark(

@@ -8,17 +8,24 @@ the round (`drain`), exactly the calls the interpreter makes; the raw path is bl
 Waitall per round) straight from mpi4py, which splits the mailbox's cost into MPI's (nb / raw)
 and hpcpipe's own Python (mailbox / nb). Latency is half a round trip, bandwidth bytes /
 latency (one direction).
+
+Device mode (`args.device = "cuda"`, 2 ranks, any number of GPUs): the same mailbox round on
+device buffers, once handing them to MPI directly (CUDA-aware MPI; skipped with the reason when
+the library is not, unless `args.cuda_aware = "on"`) and once staged through pinned host
+buffers on the copy stream, next to raw Send/Recv of host buffers: bandwidth per message size,
+device -> device direct vs staged (defaults 1 MiB .. 256 MiB).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from hpcpipe.backend import make_backend
+from hpcpipe.backend import Backend, make_backend
 from hpcpipe.bench.harness import compare, iterations, median
 from hpcpipe.bench.sizes import met_from, size_range
 from hpcpipe.bench.table import Column, Report
@@ -100,6 +107,8 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
         raise ConfigError(
             "hpcpipe bench p2p", "", f"runs on exactly 2 ranks (mpiexec -n 2), not {comm.size}"
         )
+    if getattr(args, "device", "cpu") == "cuda":
+        return run_device(comm, args)
     sizes = size_range(args.min_bytes, args.max_bytes, args.factor)
     report = Report(
         "p2p",
@@ -173,3 +182,147 @@ def _summarize(report: Report) -> None:
             f"messages < 64 KiB: extra latency max {worst:.2f} us, median {median(small):.2f} us "
             f"(target <= 20 us: {'met' if worst <= 20 else 'MISSED'})"
         )
+
+
+# ---------------------------------------------------------------------------- device buffers
+
+DEVICE_ROUND = 2  # ping-pongs per timed call on the device (each staging slot is pinned memory)
+
+DEVICE_COLUMNS = [
+    Column("bytes", "bytes", "d", 10),
+    Column("host_us", "host us", ".1f", 9),
+    Column("direct_us", "direct us", ".1f", 10),
+    Column("staged_us", "staged us", ".1f", 10),
+    Column("host_gbps", "host GB/s", ".2f", 9),
+    Column("direct_gbps", "direct GB/s", ".2f", 11),
+    Column("staged_gbps", "staged GB/s", ".2f", 11),
+    Column("staged_vs_direct", "staged/direct", ".2f", 13),
+    Column("iters", "calls", "d", 5),
+]
+
+
+def _device_backends(comm: MPI.Comm, setting: str) -> tuple[Backend, Backend | None, str]:
+    """(staged backend, direct backend or None, why direct is or is not measured)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank = node.rank
+    node.Free()
+    found = make_backend("cuda", "uint8", local_rank, setting)
+    staged = Backend("cuda", found.xp, found.dtype, found.device_id, False, "staged (benchmark)")
+    direct = found if found.cuda_aware else None
+    return staged, direct, found.cuda_aware_reason
+
+
+def _host_round(
+    comm: MPI.Comm, sbuf: np.ndarray, rbuf: np.ndarray
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """DEVICE_ROUND blocking ping-pongs of host buffers (what MPI itself costs), a cleanup."""
+    raw_comm = comm.Dup()
+    rank = comm.rank
+
+    def host() -> None:
+        for _ in range(DEVICE_ROUND):
+            if rank == 0:
+                raw_comm.Send(sbuf, dest=1, tag=7)
+                raw_comm.Recv(rbuf, source=1, tag=7)
+            else:
+                raw_comm.Recv(rbuf, source=0, tag=7)
+                raw_comm.Send(sbuf, dest=0, tag=7)
+
+    return host, raw_comm.Free
+
+
+def _device_round(
+    comm: MPI.Comm, backend: Backend, sbuf: Any, rbuf: Any
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One mailbox round of DEVICE_ROUND ping-pongs on device buffers, ending when the data is
+    usable on the device (the last staged copy included), and a cleanup."""
+    box_comm = comm.Dup()
+    mailbox = Mailbox(box_comm, backend, n_stages=2)
+    rank = comm.rank
+
+    def target() -> Any:
+        return rbuf
+
+    def box() -> None:
+        for mb in range(DEVICE_ROUND):
+            if rank == 0:
+                mailbox.post_recv(target, 1, 0, mb, BACKWARD)
+                mailbox.send(sbuf, 1, 1, mb, FORWARD)
+                mailbox.wait_recv(0, mb, BACKWARD)
+            else:
+                mailbox.post_recv(target, 0, 1, mb, FORWARD)
+                mailbox.wait_recv(1, mb, FORWARD)
+                mailbox.send(sbuf, 0, 0, mb, BACKWARD)
+        mailbox.drain()
+        backend.synchronize()
+
+    return box, box_comm.Free
+
+
+def run_device(comm: MPI.Comm, args: argparse.Namespace) -> Report:
+    """Ping-pong bandwidth of device buffers: CUDA-aware direct vs staged vs host buffers."""
+    staged, direct, reason = _device_backends(comm, getattr(args, "cuda_aware", "auto"))
+    xp = staged.xp
+    sizes = size_range(args.min_bytes, args.max_bytes, args.factor)
+    report = Report(
+        "p2p-device",
+        [
+            f"p2p ping-pong of device buffers on GPU {staged.device_id}, ranks 0 <-> 1: hpcpipe "
+            f"Mailbox, rounds of {DEVICE_ROUND}, direct (device pointers to MPI) vs staged "
+            "(pinned host buffers, copy stream) vs raw Send/Recv of host buffers",
+            f"direct: {'measured' if direct is not None else 'not measured'} ({reason})",
+            f"one-way time = round trip / 2, median call of each repetition, median of "
+            f"{args.repeats} repetitions",
+        ],
+        DEVICE_COLUMNS,
+        params={
+            "sizes": sizes,
+            "repeats": args.repeats,
+            "round": DEVICE_ROUND,
+            "cuda_aware": direct is not None,
+            "cuda_aware_reason": reason,
+            "device": staged.device_id,
+        },
+        stream=comm.rank == 0,
+    )
+    report.start()
+    peer = 1 - comm.rank
+    for size in sizes:
+        host_s = np.full(size, comm.rank + 1, dtype=np.uint8)
+        host_r = np.zeros(size, dtype=np.uint8)
+        dev_s = xp.full(size, comm.rank + 1, dtype=np.uint8)
+        dev_r = xp.zeros(size, dtype=np.uint8)
+        host, free = _host_round(comm, host_s, host_r)
+        methods: dict[str, Callable[[], None]] = {"host": host}
+        frees = [free]
+        for name, backend in (("staged", staged), ("direct", direct)):
+            if backend is not None:
+                methods[name], free = _device_round(comm, backend, dev_s, dev_r)
+                frees.append(free)
+        for name, fn in methods.items():  # every path must deliver the peer's bytes
+            dev_r[...] = 0
+            host_r[...] = 0
+            fn()
+            got = host_r if name == "host" else staged.to_host(dev_r)
+            if not np.all(got == peer + 1):
+                raise RuntimeError(f"p2p device: {size}-byte {name} message arrived corrupted")
+        n = iterations(2 * DEVICE_ROUND * size, args.budget_mib << 20, 3, 100)
+        times = compare(comm, methods, n, args.repeats, warmup=1)
+        for free in frees:
+            free()
+        one_way = {k: median(v / (2 * DEVICE_ROUND)) for k, v in times.items()}
+        row: dict[str, Any] = {"bytes": size, "iters": n}
+        for name in ("host", "direct", "staged"):
+            t = one_way.get(name, float("nan"))
+            row[f"{name}_us"] = t * 1e6
+            row[f"{name}_gbps"] = size / t / 1e9 if t == t and t > 0 else float("nan")
+        row["staged_vs_direct"] = row["staged_us"] / row["direct_us"]
+        report.add(row)
+        del dev_s, dev_r
+    if direct is None:
+        report.note(f"direct path not measured: {reason} (device.cuda_aware = on forces it)")
+    else:
+        ratios = [r["staged_vs_direct"] for r in report.rows]
+        report.summary["staged_vs_direct_median"] = median(ratios)
+        report.note(f"staged / direct time, median over sizes: {median(ratios):.2f}")
+    return report

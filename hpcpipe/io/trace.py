@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcpipe.io.space import ensure_space
+
 __all__ = [
     "CLOCK",
     "COMM_KINDS",
@@ -366,6 +368,21 @@ def topology_metadata(rankmap: Any) -> dict[str, Any]:
     }
 
 
+def device_metadata() -> dict[str, Any]:
+    """Where the arrays lived and how device buffers reached MPI (root attributes `device`,
+    `cuda_aware`, `cuda_aware_reason`), so a trace says whether messages were staged."""
+    from hpcpipe.backend import active_backend
+
+    backend = active_backend()
+    if backend is None:
+        return {"device": "cpu", "cuda_aware": False, "cuda_aware_reason": "cpu run"}
+    return {
+        "device": f"cuda:{backend.device_id}",
+        "cuda_aware": bool(backend.cuda_aware),
+        "cuda_aware_reason": backend.cuda_aware_reason,
+    }
+
+
 def _attr_value(key: str, value: Any) -> Any:
     """Metadata item -> HDF5 attribute: Schedule -> CSV, RankMap -> JSON, Config -> TOML."""
     if key in _RESERVED:
@@ -414,7 +431,9 @@ def _rank_part(recorder: Recorder) -> dict[str, Any]:
 
 
 def _write_rank(group: Any, part: Mapping[str, Any]) -> None:
-    group.create_dataset("events", data=part["events"], maxshape=(None,), chunks=True)
+    group.create_dataset(
+        "events", data=part["events"], maxshape=(None,), chunks=True, fletcher32=True
+    )
     group.attrs["clock"] = part["clock"]
     group.attrs["host"] = part["host"]
     group.attrs["grown"] = part["grown"]
@@ -429,6 +448,7 @@ def _save(path: Path, size: int, metadata: Mapping[str, Any], fill: Any) -> None
     attrs = {key: _attr_value(key, value) for key, value in metadata.items()}
     tmp = path.with_name(f".{path.name}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_space(path.parent, 0, f"trace {path}")  # HDF5 crashes on a full disk
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = FORMAT_NAME
@@ -529,7 +549,7 @@ def write_trace(
 
     if rank == 0 and error is None:
         try:
-            _save(path, size, metadata or {}, fill)
+            _save(path, size, {**device_metadata(), **(metadata or {})}, fill)
         except Exception as exc:
             error = f"cannot write {path}: {type(exc).__name__}: {exc}"
     if not gathered:
@@ -697,7 +717,11 @@ def read_trace(path: str | Path) -> Trace:
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        raise _fail(path, f"is not an HDF5 file, or is truncated or damaged ({exc})") from None
+        if "truncated" in str(exc):
+            raise _fail(
+                path, f"is truncated: a partial copy of an HDF5 file ({exc}); copy it again"
+            ) from None
+        raise _fail(path, f"is not an HDF5 file, or is damaged ({exc})") from None
     try:
         with f:
             return _read_open(path, f)
@@ -705,6 +729,51 @@ def read_trace(path: str | Path) -> Trace:
         raise
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise _fail(path, f"is damaged: {type(exc).__name__}: {exc}") from None
+
+
+def _read_events(path: Path, ds: Any, key: str) -> np.ndarray:
+    """One rank's event table, checked: a 1-D table with every field of the expected kind,
+    readable (HDF5 verifies Fletcher32 checksums where the table has them) and with no event
+    ending before it starts. Raw (local) times are returned."""
+    names = getattr(getattr(ds, "dtype", None), "names", None) or ()
+    missing = [n for n in EVENT_DTYPE.names if n not in names]
+    if not hasattr(ds, "shape") or missing:
+        raise _fail(
+            path,
+            f"{key} is not an event table (missing fields {missing}); expected the fields "
+            f"{list(EVENT_DTYPE.names)} (docs/formats.md)",
+        )
+    if ds.ndim != 1:
+        raise _fail(path, f"{key} has shape {ds.shape}; an event table is 1-D (one row per event)")
+    for n in EVENT_DTYPE.names:
+        have, want = ds.dtype[n], EVENT_DTYPE[n]
+        kinds = "iuf" if want.kind == "f" else "iu"
+        if have.kind not in kinds or have.shape:
+            raise _fail(
+                path,
+                f"{key} field {n!r} is {have}, expected {want} (not written by an hpcpipe "
+                "trace writer, or damaged)",
+            )
+    try:
+        raw = ds[()]
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise _fail(
+            path,
+            f"{key} cannot be read ({type(exc).__name__}: {exc}): the file is damaged (a "
+            "flipped byte or a partial copy); record the run again",
+        ) from None
+    ev = np.zeros(raw.shape[0], dtype=EVENT_DTYPE)
+    for n in EVENT_DTYPE.names:
+        ev[n] = raw[n]
+    backwards = np.flatnonzero(ev["t_end"] < ev["t_start"])
+    if backwards.size:
+        i = int(backwards[0])
+        raise _fail(
+            path,
+            f"{key} row {i} ends before it starts (t_start={int(ev['t_start'][i])}, "
+            f"t_end={int(ev['t_end'][i])}): the event table is damaged",
+        )
+    return ev
 
 
 def _read_open(path: Path, f: Any) -> Trace:
@@ -734,20 +803,14 @@ def _read_open(path: Path, f: Any) -> Trace:
         size = int(attrs["ranks"])
     except (KeyError, TypeError, ValueError):
         raise _fail(path, "has no valid 'ranks' attribute") from None
+    if size < 0:
+        raise _fail(path, f"has an invalid 'ranks' attribute ({size})")
     events, clocks, hosts = [], [], []
     for r in range(size):
         key = f"ranks/{r}/events"
         if key not in f:
             raise _fail(path, f"is incomplete: {key} is missing ({size} ranks expected)")
-        ds = f[key]
-        have = ds.dtype.names or ()
-        missing = [n for n in EVENT_DTYPE.names if n not in have]
-        if missing or ds.ndim != 1:
-            raise _fail(path, f"{key} is not an event table (missing fields {missing})")
-        raw = ds[()]
-        ev = np.zeros(raw.shape[0], dtype=EVENT_DTYPE)
-        for n in EVENT_DTYPE.names:
-            ev[n] = raw[n]
+        ev = _read_events(path, f[key], key)
         grp = f[f"ranks/{r}"]
         clock = np.asarray(grp.attrs.get("clock", np.zeros(0, dtype=_CLOCK_DTYPE)))
         if clock.size and (clock.dtype.names is None or "offset_ns" not in clock.dtype.names):

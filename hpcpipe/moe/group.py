@@ -20,6 +20,8 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
+from hpcpipe.backend import active_backend
+from hpcpipe.faults import maybe_fail
 from hpcpipe.model.layers import array_module
 from hpcpipe.moe.plan import (
     DispatchPlan,
@@ -145,6 +147,7 @@ class ExpertGroup:
         returns the received rows grouped by source ep rank, in `out` when given (a reusable
         buffer of exchange.rows_in rows; otherwise the result may be `rows` itself when nothing
         moves). Bitwise the same in both modes: the two-phase path only moves rows."""
+        maybe_fail("alltoall")
         rec = self.recorder
         if rec is not None and rec.enabled:
             from hpcpipe.io.trace import EventKind
@@ -209,7 +212,11 @@ class ExpertGroup:
             [sbuf, (send.counts, send.displs), rtype], [rbuf, (recv.counts, recv.displs), rtype]
         )
         if rbuf is not out:
-            out.set(rbuf)
+            backend = active_backend()
+            if backend is not None and backend.on_gpu:
+                backend.finish_recv(out, rbuf, "a2a.recv")  # async, ordered before later kernels
+            else:
+                out.set(rbuf)
         return out
 
     def _row_type(self, dtype: Any, row_shape: tuple[int, ...]) -> MPI.Datatype:
@@ -221,13 +228,20 @@ class ExpertGroup:
         return t
 
     def _device_buffers(self, rows: Any, out: Any) -> tuple[Any, Any]:
-        """Device arrays go to MPI directly when it is CUDA-aware (after a stream sync, which
-        CuPy does not do for MPI), otherwise through host copies."""
+        """Device arrays go to MPI directly when it is CUDA-aware (made contiguous, then the
+        stream synchronised: CuPy does not do it for MPI), otherwise through the backend's
+        pinned staging buffers, reused from call to call (plain host copies without one)."""
         xp = array_module(rows)
-        xp.cuda.get_current_stream().synchronize()
-        if self.cuda_aware:
-            return xp.ascontiguousarray(rows), out
-        return xp.asnumpy(rows), np.empty(out.shape, dtype=out.dtype)
+        backend = active_backend()
+        if self.cuda_aware or backend is None or not backend.on_gpu:
+            rows = xp.ascontiguousarray(rows)  # a copy kernel, so before the synchronisation
+            xp.cuda.get_current_stream().synchronize()
+            if self.cuda_aware:
+                return rows, out
+            return xp.asnumpy(rows), np.empty(out.shape, dtype=out.dtype)
+        send = backend.stage_out(rows, "a2a.send").wait()
+        recv = backend.staging(out.nbytes, "a2a.recv").view(out.dtype).reshape(out.shape)
+        return send, recv
 
 
 def _take(rows: Any, index: np.ndarray | None) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcpipe.backend import active_backend
 from hpcpipe.model.blocks import Chain, Residual, _out_std, _sub
 from hpcpipe.model.layers import (
     Array,
@@ -90,13 +91,15 @@ def summarize_stats(stats: Iterable[MoEStats]) -> dict[str, float]:
     kept = np.concatenate([s.kept for s in stats]).astype(np.float64)
     routed = sum(int(s.routed.sum()) for s in stats)
     total = sum(s.tokens * s.top_k for s in stats)
+    # the losses are device scalars: one copy for all of them, not two per layer and microbatch
+    losses = _scalars([s.aux_loss for s in stats] + [s.z_loss for s in stats])
     return {
         "tokens_per_expert_min": float(kept.min()),
         "tokens_per_expert_mean": float(kept.mean()),
         "tokens_per_expert_max": float(kept.max()),
         "dropped_fraction": (routed - float(kept.sum())) / total if total else 0.0,
-        "aux_loss": float(np.mean([float(s.aux_loss) for s in stats])),
-        "z_loss": float(np.mean([float(s.z_loss) for s in stats])),
+        "aux_loss": float(np.mean(losses[: len(stats)])),
+        "z_loss": float(np.mean(losses[len(stats) :])),
     }
 
 
@@ -390,7 +393,23 @@ class MoETransformerBlock(Layer):
 
 
 def _host(a: Any) -> np.ndarray:
+    """Router probabilities to the host for `route` (by design: routing decisions are made
+    by host NumPy, so every layout makes exactly the same ones; the all-to-all counts are host
+    integers anyway). One counted copy per MoE layer and microbatch."""
+    if type(a) is np.ndarray:
+        return a
+    backend = active_backend()
+    if backend is not None and backend.on_gpu:
+        return backend.to_host(a)
     return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def _scalars(values: list[Any]) -> list[float]:
+    """Device scalars to floats in one counted copy (plain floats on the host)."""
+    backend = active_backend()
+    if values and backend is not None and backend.on_gpu and type(values[0]) is not np.ndarray:
+        return backend.scalars(values)
+    return [float(v) for v in values]
 
 
 def _dev(xp: Any, a: np.ndarray) -> Any:

@@ -13,7 +13,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from hpcpipe.backend import Backend
+from hpcpipe.backend import Backend, StagedCopy
+from hpcpipe.faults import maybe_fail
 
 __all__ = ["BucketedAllreduce", "FlatBuffer"]
 
@@ -56,35 +57,34 @@ class BucketedAllreduce:
     comm: MPI.Comm
     backend: Backend
     bucket_bytes: int = 4 << 20
-    _pending: list[tuple[MPI.Request, Any, Any]] = field(default_factory=list)
+    _pending: list[tuple[MPI.Request, Any, Any, str]] = field(default_factory=list)
     bytes_reduced: int = 0
 
     def start(self, buffer: FlatBuffer, key: str = "") -> None:
         """Begin reducing `buffer` in place; no-op on a communicator of one rank."""
         if self.comm.size == 1:
             return
+        maybe_fail("allreduce")
         flat = buffer.flat
         per = max(1, self.bucket_bytes // flat.itemsize)
-        self.backend.synchronize()
-        for b, lo in enumerate(range(0, flat.size, per)):
-            chunk = flat[lo : lo + per]
-            if self.backend.on_gpu and not self.backend.cuda_aware:
-                host = self.backend.staging(chunk.nbytes, f"ar{key}.{b}")[: chunk.nbytes]
-                host = host.view(chunk.dtype)
-                chunk.get(out=host)
-                req = self.comm.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM)
-                self._pending.append((req, chunk, host))
-            else:
-                req = self.comm.Iallreduce(MPI.IN_PLACE, chunk, op=MPI.SUM)
-                self._pending.append((req, chunk, chunk))
+        chunks = [flat[lo : lo + per] for lo in range(0, flat.size, per)]
+        slots = [f"ar{key}.{b}" for b in range(len(chunks))]
+        if self.backend.staged:  # every bucket's copy queued at once on the copy stream
+            copies = [self.backend.stage_out(c, s) for c, s in zip(chunks, slots, strict=True)]
+        else:
+            self.backend.synchronize()  # MPI reads the buffer itself: its kernels must be done
+            copies = [StagedCopy(c) for c in chunks]  # nothing to copy: ready at once
+        for b, chunk in enumerate(chunks):
+            buf = copies[b].wait()  # each bucket's reduction starts as its copy lands
+            req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            self._pending.append((req, chunk, buf, slots[b]))
             self.bytes_reduced += chunk.nbytes
 
     def wait(self) -> None:
         """Complete every started bucket (and copy staged ones back to the device)."""
         if not self._pending:
             return
-        MPI.Request.Waitall([r for r, _, _ in self._pending])
-        for _, chunk, host in self._pending:
-            if host is not chunk:
-                chunk.set(host)
+        MPI.Request.Waitall([r for r, _, _, _ in self._pending])
+        for _, chunk, buf, slot in self._pending:
+            self.backend.finish_recv(chunk, buf, slot)  # staged: back to the device, async
         self._pending.clear()

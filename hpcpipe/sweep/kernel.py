@@ -8,6 +8,10 @@ Face arrays carry the angular flux between cells: `fx[j * bz + k]` holds the x-f
 (j, k) (incoming before a cell is solved, outgoing after), likewise `fy[i * bz + k]` and
 `fz[i * by + j]`. Each row has one cell per plane, so one array serves the whole block and ends
 holding the block's outgoing faces, which are exactly the messages for the downwind ranks.
+
+On a GPU nothing here copies to the host: the negative-flux fix-up, which on the CPU gathers
+the few offending elements (asking the host whether there are any), runs as masked whole-plane
+arithmetic instead, giving the same numbers without a device-to-host round trip per plane.
 """
 
 from __future__ import annotations
@@ -169,7 +173,8 @@ def sweep_block(
             two = psi + psi
             ox, oy, oz = two - ax, two - ay, two - az
             if fixup:
-                _fixup(xp, psi, ox, oy, oz, ax, ay, az, qc, sig, cx, cy, cz)
+                fix = _fixup if xp is np else _fixup_masked
+                fix(xp, psi, ox, oy, oz, ax, ay, az, qc, sig, cx, cy, cz)
             fx[ix], fy[iy], fz[iz] = ox, oy, oz
         else:
             fx[ix], fy[iy], fz[iz] = psi, psi, psi
@@ -228,6 +233,54 @@ def _fixup(
         if not bool(((out_x < 0) | (out_y < 0) | (out_z < 0)).any()):
             break
     psi[p, a, g], ox[p, a, g], oy[p, a, g], oz[p, a, g] = cell, out_x, out_y, out_z
+
+
+def _fixup_masked(
+    xp: Any,
+    psi: Any,
+    ox: Any,
+    oy: Any,
+    oz: Any,
+    ax: Any,
+    ay: Any,
+    az: Any,
+    q: Any,
+    st: Any,
+    cx: Any,
+    cy: Any,
+    cz: Any,
+) -> None:
+    """`_fixup` for device arrays: the same arithmetic on the whole plane under masks.
+
+    `_fixup` asks the host whether any face is negative and gathers the offenders, both of
+    which wait for the device. Here every element runs the three rounds (a round that fixes no
+    new face repeats the previous one exactly, so the early exit changes nothing) and only the
+    elements with a negative face take the result: equal to `_fixup` element for element.
+    """
+    bad = (ox < 0) | (oy < 0) | (oz < 0)
+    zero = xp.zeros(1, dtype=psi.dtype)
+    fix_x, fix_y, fix_z = ox < 0, oy < 0, oz < 0
+    out_x, out_y, out_z = ox, oy, oz
+    cell = psi
+    for _ in range(3):
+        fix_x |= out_x < 0
+        fix_y |= out_y < 0
+        fix_z |= out_z < 0
+        den = st + xp.where(fix_x, zero, cx) + xp.where(fix_y, zero, cy) + xp.where(fix_z, zero, cz)
+        num = (
+            q
+            + xp.where(fix_x, 0.5 * cx, cx) * ax
+            + xp.where(fix_y, 0.5 * cy, cy) * ay
+            + xp.where(fix_z, 0.5 * cz, cz) * az
+        )
+        cell = num / den
+        out_x = xp.where(fix_x, zero, 2.0 * cell - ax)
+        out_y = xp.where(fix_y, zero, 2.0 * cell - ay)
+        out_z = xp.where(fix_z, zero, 2.0 * cell - az)
+    psi[...] = xp.where(bad, cell, psi)
+    ox[...] = xp.where(bad, out_x, ox)
+    oy[...] = xp.where(bad, out_y, oy)
+    oz[...] = xp.where(bad, out_z, oz)
 
 
 def sweep_domain(xp: Any, problem: Problem, q: Any, sigma_t: Any) -> tuple[Any, Any, Any]:

@@ -10,6 +10,10 @@ the task's index in its octant, `angle_block * z_blocks + z_block`), each face m
 on the sender and a RECV (the wait) on the receiver with that same (stage, microbatch) tag,
 bytes, the peer's world rank and the axis in `value` (0 = x face, 1 = y face); the drain of
 the last sends is a WAIT and each reduction an ALLREDUCE. Disabled, each hook is one test.
+
+On a GPU (`xp` = cupy) the faces stay on the device: they go to a CUDA-aware MPI directly once
+the stream is synchronised (`device_buffers`), else through host copies; the boundary flows are
+summed on the device and copied to the host once per sweep.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from hpcpipe.backend import active_backend
 from hpcpipe.io.trace import EventKind, Recorder, world_ranks
 from hpcpipe.sweep.kernel import angle_block, block_order, face_current, sweep_block
 from hpcpipe.sweep.mesh import Problem
@@ -92,8 +97,22 @@ class KBASweeper:
             (t.octant, t.angle_block * plan.z_blocks + t.z_block) for t in plan.tasks[self.rank]
         ]
         self._world = world_ranks(self.comm).tolist() if recorder is not None else []
+        self._incident: dict[tuple[int, int, int], Any] = {}  # boundary faces on the device
 
     # ---------------------------------------------------------------- reductions for the solver
+    def where(self) -> str:
+        """This rank's place in the sweep, in plan terms (read by the watchdog's thread)."""
+        tasks, t = self.plan.tasks[self.rank], getattr(self, "_task", -1)
+        if t < 0:
+            return f"sweep rank {self.rank}: between sweeps (iteration reductions, checkpoint)"
+        if t >= len(tasks):
+            return f"sweep rank {self.rank}: all {len(tasks)} tasks done, completing its sends"
+        task = tasks[t]
+        return (
+            f"sweep rank {self.rank}: task {t}/{len(tasks)} ({task}), receiving faces from "
+            f"ranks x={task.recv_x} y={task.recv_y} (-1 = boundary)"
+        )
+
     def allsum(self, values: np.ndarray) -> np.ndarray:
         return self._allreduce(values, MPI.SUM)
 
@@ -133,24 +152,36 @@ class KBASweeper:
         shape = self._face_shape(axis, task)
         if not value.any():
             return self.xp.zeros(shape)
-        return self.xp.asarray(np.broadcast_to(value, shape).copy())
+        key = (axis, side, task.angle_block)
+        face = self._incident.get(key)
+        if face is None:  # copied to the device once; each task gets its own copy (it is updated)
+            face = self._incident[key] = self.xp.asarray(np.broadcast_to(value, shape).copy())
+        return face.copy()
 
     def _post(self, task: SweepTask) -> list[tuple[Any, np.ndarray] | None]:
         posted: list[tuple[Any, np.ndarray] | None] = []
+        device = self.xp is not np and not self.staged
         for axis, peer in ((0, task.recv_x), (1, task.recv_y)):
             if peer < 0:
                 posted.append(None)
                 continue
             shape = self._face_shape(axis, task)
             buf = np.empty(shape) if self.staged else self.xp.empty(shape)
+            if device:  # MPI writes outside stream order: no queued kernel may still use the
+                device = False  # pool memory `empty` handed out (one synchronisation per task)
+                self.xp.cuda.get_current_stream().synchronize()
             posted.append((self.comm.Irecv(buf, source=peer, tag=task.tag + axis), buf))
         return posted
 
     def _send(self, face: Any, peer: int, tag: int, sends: list) -> int:
         """Start sending a face downwind; returns its size in bytes."""
-        buf = self.xp.asnumpy(face) if self.staged else face
-        if self.xp is not np and not self.staged:
-            self.xp.cuda.get_current_stream().synchronize()
+        if self.staged:  # a blocking device-to-host copy (the stream is waited for)
+            backend = active_backend()
+            buf = backend.to_host(face) if backend is not None else self.xp.asnumpy(face)
+        else:
+            buf = face
+            if self.xp is not np:  # CuPy does not synchronise for MPI: the kernels must be done
+                self.xp.cuda.get_current_stream().synchronize()
         sends.append((self.comm.Isend(buf, dest=peer, tag=tag), buf))
         return int(buf.nbytes)
 
@@ -162,8 +193,8 @@ class KBASweeper:
         rec, tags, world = self.rec, self._tags, self._world
         now = time.perf_counter_ns  # the recorder's clock too
         phi = xp.zeros((int(np.prod(plan.local_shape)), groups))
-        outflow = np.zeros(groups)
-        inflow = np.zeros(groups)
+        outflow = xp.zeros(groups)  # on the device: copied to the host once, at the end
+        inflow = xp.zeros(groups)
         posted: dict[int, list] = {}
         sends: list = []
         busy = wait = 0
@@ -172,6 +203,7 @@ class KBASweeper:
             posted[t] = self._post(tasks[t])
         fz = None
         for t, task in enumerate(tasks):
+            self._task = t
             if t + self.recv_depth < len(tasks):
                 posted[t + self.recv_depth] = self._post(tasks[t + self.recv_depth])
             angles = self._angles[task.angle_block]
@@ -182,7 +214,7 @@ class KBASweeper:
             for axis, got in enumerate(posted.pop(t)):
                 if got is None:
                     face = self._boundary(axis, task)
-                    inflow += self._areas[axis] * _host(xp, face_current(face, currents[axis]))
+                    inflow += self._areas[axis] * face_current(face, currents[axis])
                 else:
                     w0 = now()
                     got[0].Wait()
@@ -195,7 +227,7 @@ class KBASweeper:
                 faces.append(face)
             if task.z_block == 0:
                 fz = self._boundary(2, task)
-                inflow += self._areas[2] * _host(xp, face_current(fz, angles.wxi))
+                inflow += self._areas[2] * face_current(fz, angles.wxi)
             t1 = now()
             z0, _ = plan.z_range(task.z_block, task.octant)
             sweep_block(
@@ -219,9 +251,7 @@ class KBASweeper:
             busy += t2 - t1
             for axis, peer in ((0, task.send_x), (1, task.send_y)):
                 if peer < 0:
-                    outflow += self._areas[axis] * _host(
-                        xp, face_current(faces[axis], currents[axis])
-                    )
+                    outflow += self._areas[axis] * face_current(faces[axis], currents[axis])
                 else:
                     s0 = now()
                     nbytes = self._send(faces[axis], peer, task.tag + axis, sends)
@@ -230,20 +260,28 @@ class KBASweeper:
                             EventKind.SEND, octant, sub, s0, now(), nbytes, world[peer], axis
                         )
             if task.z_block == plan.z_blocks - 1:
-                outflow += self._areas[2] * _host(xp, face_current(fz, angles.wxi))
+                outflow += self._areas[2] * face_current(fz, angles.wxi)
             if len(sends) > 8:
                 done = set(MPI.Request.Testsome([s[0] for s in sends]) or ())
                 sends = [s for i, s in enumerate(sends) if i not in done]
         t0 = now()
+        self._task = len(tasks)
         MPI.Request.Waitall([s[0] for s in sends])
+        self._task = -1
         end = now()
         if rec.enabled:
             rec.record(EventKind.WAIT, -1, -1, t0, end)
         self.timing = SweepTiming(
             wall=(end - start) * 1e-9, busy=busy * 1e-9, wait=(wait + end - t0) * 1e-9
         )
+        if xp is not np:
+            outflow, inflow = _host(xp, xp.stack((outflow, inflow)))  # one copy per sweep
         return phi, outflow, inflow
 
 
 def _host(xp: Any, value: Any) -> np.ndarray:
-    return value if xp is np else xp.asnumpy(value)
+    """A counted host copy of a device array (through the backend where there is one)."""
+    if xp is np:
+        return value
+    backend = active_backend()
+    return backend.to_host(value) if backend is not None else xp.asnumpy(value)

@@ -98,6 +98,7 @@ class PipelineRank:
             expert_dp_comm if expert_dp_comm is not None else dp_comm, backend, bucket_bytes
         )
         self.has_moe = any(is_expert_param(k[1]) for v in self._views.values() for k in v)
+        self.mailbox.overlap = not self.has_moe  # MoE all-to-alls block inside F and B
         self.peak_units_overall = 0  # over every step, in chunks (stages) x microbatches
         self.rec = recorder if recorder is not None else Recorder(rank, enabled=False)
         if self.rec.enabled:  # peers and sizes per action, so the hook only indexes
@@ -107,6 +108,7 @@ class PipelineRank:
         self._recv_positions = [
             i for i, a in enumerate(self.actions) if a.kind in (Kind.RECV_F, Kind.RECV_B)
         ]
+        self._step_no, self._pos = -1, -1  # where this rank is, for the watchdog's report
 
     # ------------------------------------------------------------------ one step
 
@@ -127,7 +129,7 @@ class PipelineRank:
         self._live_units = self._peak_units = 0
         self._w_done = dict.fromkeys(self.stages, 0)
         self._reduce_started: dict[int, tuple[int, int]] = {}
-        self._loss_sum = 0.0
+        self._loss_sum: Any = 0.0  # on the device until the end of the step (one copy)
         self._batch = (inputs, targets, loss_weight)
         self._m = self.schedule.num_microbatches
         times: dict[tuple[str, int], float] = {}
@@ -135,7 +137,9 @@ class PipelineRank:
         next_recv = 0
         rec, now = self.rec, self.rec.now
         t_step = now()
+        self._step_no = step
         for pos, action in enumerate(self.actions):
+            self._pos = pos
             # keep receives posted ahead, so senders never wait for this rank to catch up
             while (
                 next_recv < len(self._recv_positions)
@@ -165,22 +169,57 @@ class PipelineRank:
             if action.kind in (Kind.F, Kind.B, Kind.W, Kind.BW):
                 compute += t1 - t0
         t0 = now()
+        self._pos = len(self.actions)
         self.mailbox.drain()
+        self._pos += 1
         self.reducer.wait()
         self.expert_reducer.wait()
+        self._pos = -1
         t1 = now()
         if rec.enabled:
             rec.record(EventKind.WAIT, -1, -1, t0, t1)
             for s, (t_start, nbytes) in self._reduce_started.items():
                 rec.record(EventKind.ALLREDUCE, s, -1, t_start, t1, nbytes)
         self.peak_units_overall = max(self.peak_units_overall, self._peak_units)
+        loss_sum = self._loss_sum  # a float unless this rank holds the last stage
+        if not isinstance(loss_sum, float):
+            loss_sum = self.backend.scalars([loss_sum])[0]
         return StepResult(
-            self._loss_sum,
+            loss_sum,
             compute * 1e-9,
             (t1 - t_step) * 1e-9,
             self._peak_bytes,
             self._peak_units / self.chunks_per_rank,
             times,
+        )
+
+    def where(self) -> str:
+        """What this rank is doing now, in schedule terms (read by the watchdog's thread)."""
+        step, pos, n = self._step_no, self._pos, len(self.actions)
+        if pos < 0:
+            return f"pipeline rank {self.rank}: outside the pipeline actions (after step {step})"
+        if pos == n:
+            return (
+                f"step {step}: pipeline rank {self.rank} finished its {n} actions and waits for "
+                f"its own sends to complete ({self.mailbox.describe_pending()})"
+            )
+        if pos > n:
+            return f"step {step}: pipeline rank {self.rank} waits for the gradient allreduce"
+        action = self.actions[pos]
+        detail = ""
+        if action.kind in (Kind.RECV_F, Kind.RECV_B):
+            peer_stage = action.stage - 1 if action.kind == Kind.RECV_F else action.stage + 1
+            detail = f", waiting for pipeline rank {self.rank_of_stage[peer_stage]}"
+        elif action.kind in (Kind.SEND_F, Kind.SEND_B):
+            peer_stage = action.stage + 1 if action.kind == Kind.SEND_F else action.stage - 1
+            detail = f", sending to pipeline rank {self.rank_of_stage[peer_stage]}"
+        lo, hi = max(0, pos - 3), min(n, pos + 4)
+        shown = " ".join(
+            f">>{a}<<" if i == pos else str(a) for i, a in enumerate(self.actions[lo:hi], start=lo)
+        )
+        return (
+            f"step {step}, action {pos}/{n} ({action}{detail}) of pipeline rank {self.rank}; "
+            f"actions: {'... ' if lo else ''}{shown}{' ...' if hi < n else ''}"
         )
 
     def _where(self, step: int, pos: int, exc: Exception) -> str:
@@ -248,7 +287,8 @@ class PipelineRank:
         self._ctx[(s, mb)] = ctx
         self._track(+Stage.activation_bytes(ctx), +1)
         if stage.is_last:
-            self._loss_sum += self._batch[2] * float(y)
+            loss = self.xp.asarray(y, dtype=self.xp.float64)  # stays on the device
+            self._loss_sum = self._loss_sum + loss * self._batch[2]
         elif self.rank_of_stage[s + 1] == self.rank:
             self._inputs[(s + 1, mb)] = y  # next stage is on this rank (V turn): no message
         else:
@@ -302,12 +342,9 @@ class PipelineRank:
         return out
 
     def local_sq_norms(self) -> tuple[float, float]:
-        """Squared norms of this rank's (dense, expert) gradients, in float64."""
+        """Squared norms of this rank's (dense, expert) gradients, in float64 (one host copy)."""
         xp = self.xp
-
-        def sq(buffers: dict[int, FlatBuffer]) -> float:
-            return float(
-                sum(float(xp.sum(b.flat.astype(xp.float64) ** 2)) for b in buffers.values())
-            )
-
-        return sq(self.grads), sq(self.expert_grads)
+        dense = [xp.sum(b.flat.astype(xp.float64) ** 2) for b in self.grads.values()]
+        expert = [xp.sum(b.flat.astype(xp.float64) ** 2) for b in self.expert_grads.values()]
+        values = self.backend.scalars([*dense, *expert])
+        return float(sum(values[: len(dense)])), float(sum(values[len(dense) :]))
