@@ -511,9 +511,8 @@ def read_index(directory: Path) -> Index:
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
-        raise CheckpointError(
-            f"unreadable index ({type(exc).__name__}: {exc})", path=path
-        ) from None
+        what = "truncated index (a partial copy)" if "truncated" in str(exc) else "unreadable index"
+        raise CheckpointError(f"{what} ({type(exc).__name__}: {exc})", path=path) from None
     try:
         step = int(raw["step"])
         checkpoint_id = _as_str(raw["checkpoint_id"])

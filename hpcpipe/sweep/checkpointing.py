@@ -104,6 +104,8 @@ def _check_same_problem(path: Path, saved: Any, cfg: SweepConfig) -> None:
     if not isinstance(saved, dict):
         raise ConfigError("--resume", "", f"{path} has no [sweep] settings: not a sweep checkpoint")
     now = _plain(cfg)
+    # keys added to [sweep] after the checkpoint was written (mesh_file, ...) had their default
+    saved = {**_plain(SweepConfig()), **saved}
     changed = sorted(
         k for k in now.keys() | saved.keys() if k not in FREE_KEYS and now.get(k) != saved.get(k)
     )
@@ -120,13 +122,40 @@ def _check_same_problem(path: Path, saved: Any, cfg: SweepConfig) -> None:
 
 
 def restore(
-    path: Path, cfg: SweepConfig, cells: tuple[slice, slice], xp: Any = np
+    path: Path,
+    cfg: SweepConfig,
+    cells: tuple[slice, slice],
+    xp: Any = np,
+    *,
+    comm: Any = None,
 ) -> tuple[Iterate, dict[str, Any]]:
     """Read this rank's block of the flux and the history from checkpoint `path`.
 
     Returns the iterate (flux as (cells, G) on `xp`) and the checkpoint's attributes. Every
-    problem is a ConfigError naming the checkpoint (exit code 2), never a silent load.
+    problem is a ConfigError naming the checkpoint (exit code 2), never a silent load. Nothing
+    is applied here: the caller gets a new iterate only when everything read back checked. With
+    `comm` (collective), the ranks agree first, so a shard damaged under one rank raises the
+    same ConfigError on every rank instead of failing one rank alone.
     """
+    error, result = None, None
+    try:
+        result = _read(path, cfg, cells)
+    except ConfigError as exc:
+        error = exc
+    if comm is not None:
+        _agree(comm, error)
+    elif error is not None:
+        raise error
+    assert result is not None
+    loaded, attrs = result
+    phi = xp.asarray(loaded[PHI].reshape(-1, cfg.groups))
+    history, scales, seconds = (loaded[name].tolist() for name in HISTORY)
+    return Iterate(phi, history, scales, seconds), attrs
+
+
+def _read(
+    path: Path, cfg: SweepConfig, cells: tuple[slice, slice]
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     try:
         attrs = read_attrs(path)
         if attrs.get("producer") != FORMAT_TAG:
@@ -140,9 +169,18 @@ def restore(
         spec = _spec(cfg, *cells)
         wanted = {PHI: spec}
         wanted.update({name: ShardSpec.whole(name, (n,), np.float64) for name in HISTORY})
-        loaded = load_checkpoint(path, wanted)
+        return load_checkpoint(path, wanted), attrs
     except CheckpointError as exc:
         raise ConfigError("--resume", "", str(exc)) from None
-    phi = xp.asarray(loaded[PHI].reshape(-1, cfg.groups))
-    history, scales, seconds = (loaded[name].tolist() for name in HISTORY)
-    return Iterate(phi, history, scales, seconds), attrs
+
+
+def _agree(comm: Any, error: ConfigError | None) -> None:
+    """Collective: the first failing rank's error on every rank (see restore)."""
+    failed = [(r, e) for r, e in enumerate(comm.allgather(error.message if error else None)) if e]
+    if not failed:
+        return
+    message = failed[0][1]
+    if len(failed) < comm.size:  # found only where the damaged file is read: say where
+        who = ", ".join(str(r) for r, _ in failed[:8]) + (", ..." if len(failed) > 8 else "")
+        message += f" (found by rank {who}; no rank loaded anything)"
+    raise ConfigError("--resume", "", message)

@@ -3,7 +3,8 @@
 Materials are given as arrays indexed by material id: `sigma_t[m][g]`, `sigma_s[m][g][g']`
 (scattering from group g into g', isotropic) and `source[m][g]`. The layout starts from
 `material` everywhere and paints `boxes` in order (later boxes win); a cell belongs to a box when
-its centre lies inside.
+its centre lies inside. Or `mesh_file` names an HDF5 file holding the material id of every cell
+(format: docs/formats.md, "Sweep mesh files"), checked when the problem is built.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class SweepConfig:
         (), "material boxes [x0, x1, y0, y1, z0, z1] in cm, painted in order"
     )
     box_materials: tuple[int, ...] = option((), "material id of each box", minimum=0)
+    mesh_file: str = option(
+        "",
+        "HDF5 sweep mesh file (dataset material_ids, nx x ny x nz) giving every cell's material; "
+        "replaces material and boxes; empty = material and boxes",
+    )
     quadrature: str = option("level-symmetric", "angular set", choices=QUADRATURES)
     order: int = option(
         4,
@@ -152,6 +158,11 @@ def _check_materials(c: SweepConfig) -> None:
                 )
     if c.material >= n:
         raise ValueError(f"material: = {c.material} but only {n} materials are defined")
+    if c.mesh_file and (c.boxes or c.box_materials):
+        raise ValueError(
+            f"mesh_file: = {c.mesh_file!r} gives every cell's material, so boxes and "
+            "box_materials must be empty (set sweep.boxes = [] and sweep.box_materials = [])"
+        )
     if len(c.box_materials) != len(c.boxes):
         raise ValueError(f"box_materials: has {len(c.box_materials)} ids for {len(c.boxes)} boxes")
     for b, (box, m) in enumerate(zip(c.boxes, c.box_materials, strict=True)):

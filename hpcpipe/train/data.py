@@ -11,14 +11,24 @@ Kinds:
   the best achievable loss is known;
 - `text`: any UTF-8 file, byte-level tokens (vocab 256), windows at seeded random offsets;
 - `hdf5`: a 1-D integer token dataset in an HDF5 file, windows at seeded random offsets.
+
+HDF5 token files are bad input (ConfigError, exit code 2, naming the file and the dataset) when
+they are missing, truncated, not HDF5, lack the dataset, hold something other than a 1-D integer
+array, are too short for one window, or hold a token outside 0..model.vocab-1. Datasets up to
+SCAN_TOKENS tokens are read once in full when the dataset is built (the same on every rank, so
+the job stops before any step); larger ones are checked window by window as they are read. A
+flipped byte in the token data is only detectable with a checksum: `write_token_file` stores the
+dataset with HDF5's Fletcher32 filter, which makes such a read fail with a clear error.
 """
 
 from __future__ import annotations
 
 import codecs
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,12 +43,18 @@ __all__ = [
     "SyntheticData",
     "TextData",
     "build_dataset",
+    "write_token_file",
 ]
 
 CHAIN_STREAM = 2  # random stream tags: default_rng([seed, TAG, ...]); init uses tag 1
 BATCH_STREAM = 3
 MAX_MARKOV_STATES = 1 << 16
 DENSE_SOLVE_STATES = 2048  # up to this many states the stationary law is a dense linear solve
+SCAN_TOKENS = 1 << 26
+"""HDF5 token datasets up to this many tokens are read in full and checked (ids in range,
+checksums where stored) when the dataset is built; larger ones window by window."""
+_SCAN_BLOCK = 1 << 22
+_H5_ERRORS = (OSError, KeyError, ValueError, TypeError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -376,7 +392,10 @@ class TextData(_WindowData):
 
 
 class HDF5Data(_WindowData):
-    """A 1-D integer token dataset in an HDF5 file; values must lie in 0..vocab-1."""
+    """A 1-D integer token dataset in an HDF5 file; values must lie in 0..vocab-1.
+
+    Every problem with the file is a ConfigError naming it and the dataset (exit code 2).
+    """
 
     def __init__(
         self,
@@ -397,53 +416,140 @@ class HDF5Data(_WindowData):
         try:
             fh = h5py.File(path, "r")
         except OSError as exc:
-            raise ConfigError(
-                source, "data.path", f"= {path!r} is not an HDF5 file ({exc})"
-            ) from None
+            what = (
+                "is truncated (a partial copy: copy it again)"
+                if "truncated" in str(exc)
+                else "is not an HDF5 file, or is damaged"
+            )
+            raise ConfigError(source, "data.path", f"= {path!r} {what} ({exc})") from None
         with fh:
-            if name not in fh or not isinstance(fh[name], h5py.Dataset):
-                found = []
-                fh.visititems(lambda k, v: found.append(k) if isinstance(v, h5py.Dataset) else None)
+            try:
+                self.n_tokens = self._check_dataset(fh)
+                if self.n_tokens <= SCAN_TOKENS:
+                    self._scan(fh[name])
+            except ConfigError:
+                raise
+            except _H5_ERRORS as exc:
                 raise ConfigError(
                     source,
-                    "data.dataset",
-                    f"= {name!r}: no such dataset in {path!r}; datasets there: "
-                    + (", ".join(found) or "none"),
-                )
-            ds = fh[name]
-            if ds.ndim != 1 or ds.dtype.kind not in "iu":
-                raise ConfigError(
-                    source,
-                    "data.dataset",
-                    f"= {name!r} in {path!r} is {ds.dtype} with shape {ds.shape}; "
-                    "expected a 1-D integer array of token ids",
-                )
-            self.n_tokens = int(ds.shape[0])
-        if self.n_tokens < seq_len + 2:
+                    "data.path",
+                    f"= {path!r} is damaged ({type(exc).__name__}: {exc}); copy it again or "
+                    "re-create it",
+                ) from None
+
+    def _check_dataset(self, fh: Any) -> int:
+        """The dataset's presence, kind, shape and length; returns its number of tokens."""
+        import h5py
+
+        path, name, source = self.path, self.name, self.source
+        if name not in fh or not isinstance(fh[name], h5py.Dataset):
+            found: list[str] = []
+            fh.visititems(lambda k, v: found.append(k) if isinstance(v, h5py.Dataset) else None)
             raise ConfigError(
                 source,
                 "data.dataset",
-                f"= {name!r} in {path!r} has {self.n_tokens} tokens; needs at least "
-                f"model.seq_len + 2 = {seq_len + 2}",
+                f"= {name!r}: no such dataset in {path!r}; datasets there: "
+                + (", ".join(found) or "none"),
+            )
+        ds = fh[name]
+        if ds.ndim != 1 or ds.dtype.kind not in "iu":
+            raise ConfigError(
+                source,
+                "data.dataset",
+                f"= {name!r} in {path!r} is {ds.dtype} with shape {ds.shape}; "
+                "expected a 1-D integer array of token ids",
+            )
+        n = int(ds.shape[0])
+        if n < self.seq_len + 2:
+            raise ConfigError(
+                source,
+                "data.dataset",
+                f"= {name!r} in {path!r} has {n} tokens; needs at least "
+                f"model.seq_len + 2 = {self.seq_len + 2}",
+            )
+        return n
+
+    def _scan(self, ds: Any) -> None:
+        """Read every token once, in bounded blocks: unreadable data and ids outside the
+        vocabulary stop the run here, on every rank alike, before any step."""
+        for lo in range(0, self.n_tokens, _SCAN_BLOCK):
+            hi = min(self.n_tokens, lo + _SCAN_BLOCK)
+            self._check_tokens(self._read(ds, lo, hi), lo, "")
+
+    def _read(self, ds: Any, lo: int, hi: int) -> np.ndarray:
+        try:
+            return np.asarray(ds[lo:hi])
+        except _H5_ERRORS as exc:
+            raise ConfigError(
+                self.source,
+                "data.dataset",
+                f"= {self.name!r} in {self.path!r}: tokens {lo}..{hi - 1} cannot be read "
+                f"({type(exc).__name__}: {exc}); the file is damaged (a flipped byte or a "
+                "partial copy): copy it again or re-create it",
+            ) from None
+
+    def _check_tokens(self, tokens: np.ndarray, offset: int, when: str) -> None:
+        if not tokens.size:
+            return
+        bad = np.flatnonzero((tokens < 0) | (tokens >= self.vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise ConfigError(
+                self.source,
+                "model.vocab",
+                f"= {self.vocab} does not cover token {int(tokens[i])} of dataset "
+                f"{self.name!r} in {self.path!r} (position {offset + i}{when}): token ids must "
+                f"be 0..model.vocab-1",
             )
 
     def _sequences(self, step: int, lo: int, hi: int) -> np.ndarray:
         import h5py
 
         out = np.empty((hi - lo, self.seq_len + 1), dtype=np.int64)
-        with h5py.File(self.path, "r") as fh:
-            ds = fh[self.name]
-            for k, off in enumerate(self._offsets(step, lo, hi)):
-                out[k] = ds[off : off + self.seq_len + 1]
-        if out.size and (out.min() < 0 or out.max() >= self.vocab):
-            bad = int(out.min()) if out.min() < 0 else int(out.max())
+        try:
+            fh = h5py.File(self.path, "r")
+        except OSError as exc:
             raise ConfigError(
-                self.source,
-                "model.vocab",
-                f"= {self.vocab} does not cover token {bad} of dataset {self.name!r} in "
-                f"{self.path!r} (step {step})",
-            )
+                self.source, "data.path", f"= {self.path!r} cannot be opened any more ({exc})"
+            ) from None
+        with fh:
+            try:
+                ds = fh[self.name]
+            except _H5_ERRORS as exc:
+                raise ConfigError(
+                    self.source,
+                    "data.dataset",
+                    f"= {self.name!r} in {self.path!r} cannot be opened any more ({exc})",
+                ) from None
+            for k, off in enumerate(self._offsets(step, lo, hi)):
+                window = self._read(ds, off, off + self.seq_len + 1)
+                self._check_tokens(window, off, f", step {step}")
+                out[k] = window
         return out
+
+
+def write_token_file(
+    path: str | Path, tokens: Any, dataset: str = "tokens", *, chunk: int = 1 << 16
+) -> Path:
+    """Write a `kind = "hdf5"` token file: a 1-D integer dataset, chunked with HDF5's
+    Fletcher32 checksum so that a damaged copy fails on read instead of feeding wrong tokens.
+    Written to a temporary name and renamed, so a partial file never appears under `path`."""
+    import h5py
+
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be a 1-D integer array, got {ids.dtype}{ids.shape}")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with h5py.File(tmp, "w", libver="v108") as fh:
+            fh.create_dataset(
+                dataset, data=ids, chunks=(max(1, min(chunk, ids.size)),), fletcher32=True
+            )
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def build_dataset(

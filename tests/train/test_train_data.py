@@ -184,9 +184,8 @@ def test_hdf5_errors_name_file_and_key(tmp_path: Path) -> None:
         build_dataset(DataConfig(kind="hdf5", path=str(short)), MODEL, 0)
     big = tmp_path / "big.h5"
     write_tokens(big, "tokens", np.full(100, 40, dtype=np.int64))
-    ds = build_dataset(DataConfig(kind="hdf5", path=str(big), global_batch=2), MODEL, 0)
     with pytest.raises(ConfigError, match=r"model\.vocab = 12 does not cover token 40"):
-        ds.global_batch(0)
+        build_dataset(DataConfig(kind="hdf5", path=str(big), global_batch=2), MODEL, 0)
     text = tmp_path / "notes.txt"
     text.write_text("not hdf5 " * 20)
     with pytest.raises(ConfigError, match=r"notes\.txt' is not an HDF5 file"):
