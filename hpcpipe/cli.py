@@ -77,6 +77,9 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
 
 
 def _execute_run(args: argparse.Namespace) -> int:
+    from hpcpipe.jobcontrol import catch_early_stop
+
+    catch_early_stop()  # a time-limit signal during start-up must not kill the rank
     config = _load(args)  # before MPI starts: every rank reads the same deck
     from hpcpipe.runtime import run_job
 
@@ -132,6 +135,9 @@ def _execute_plan(args: argparse.Namespace) -> int:
     from hpcpipe.topology import RankMap, TopologyError
 
     config = _load(args)
+    from hpcpipe.preflight import check_paths
+
+    check_paths(config)  # a FIFO as schedule_csv would block the read below forever
     topo = config.topology
     world = args.world
     if world is None:

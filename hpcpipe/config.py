@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import stat
 import tomllib
 import types
 import typing
@@ -76,8 +77,24 @@ def _type_name(tp: Any) -> str:
     if origin in (types.UnionType, typing.Union):
         return " or ".join("nothing" if a is type(None) else _type_name(a) for a in args)
     if origin is tuple:
-        return f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s"
+        item = _type_name(args[0]).removeprefix("a ").removeprefix("an ")
+        if item.startswith("list of "):  # "a list of lists of numbers", not "...numberss"
+            return f"a list of lists{item.removeprefix('list')}"
+        return f"a list of {item}s"
     return str(tp)
+
+
+INT_LIMIT = 2**63
+"""TOML integers are 64-bit; larger ones (which Python's parser accepts) are rejected."""
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """`repr(value)` for a message, shortened: a fuzzed megabyte string must not flood stderr."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long for str(): Python caps them at 4300 digits
+        return "(an integer of more than 4300 digits)"
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
 
 
 def _coerce(value: Any, tp: Any, source: str, key: str) -> Any:
@@ -94,7 +111,7 @@ def _coerce(value: Any, tp: Any, source: str, key: str) -> Any:
                 return _coerce(value, arg, source, key)
             except ConfigError:
                 continue
-        raise ConfigError(source, key, f"= {value!r} must be {_type_name(tp)}")
+        raise ConfigError(source, key, f"= {_show(value)} must be {_type_name(tp)}")
     if origin is tuple:
         (item_tp, *_) = typing.get_args(tp)
         if not isinstance(value, list | tuple):
@@ -105,25 +122,29 @@ def _coerce(value: Any, tp: Any, source: str, key: str) -> Any:
             ):
                 value = [value]  # a bare number where a list of numbers is expected
             else:
-                raise ConfigError(source, key, f"= {value!r} must be {_type_name(tp)}")
+                raise ConfigError(source, key, f"= {_show(value)} must be {_type_name(tp)}")
         return tuple(_coerce(v, item_tp, source, f"{key}[{i}]") for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(source, key, f"= {value!r} must be true or false")
+            raise ConfigError(source, key, f"= {_show(value)} must be true or false")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(source, key, f"= {value!r} must be an integer")
+            raise ConfigError(source, key, f"= {_show(value)} must be an integer")
+        if not -INT_LIMIT <= value < INT_LIMIT:
+            raise ConfigError(source, key, f"= {_show(value)} is out of range (64-bit integers)")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(source, key, f"= {value!r} must be a number")
+            raise ConfigError(source, key, f"= {_show(value)} must be a number")
+        if isinstance(value, int) and not -INT_LIMIT <= value < INT_LIMIT:
+            raise ConfigError(source, key, f"= {_show(value)} is out of range (64-bit integers)")
         if not math.isfinite(value):
-            raise ConfigError(source, key, f"= {value!r} must be a finite number")
+            raise ConfigError(source, key, f"= {_show(value)} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(source, key, f"= {value!r} must be a string")
+            raise ConfigError(source, key, f"= {_show(value)} must be a string")
         return value
     raise TypeError(f"unsupported config annotation {tp!r} for {key}")
 
@@ -131,7 +152,7 @@ def _coerce(value: Any, tp: Any, source: str, key: str) -> Any:
 def parse_section(cls: type, table: Mapping[str, Any], source: str, section: str) -> Any:
     """Build the frozen dataclass `cls` from a TOML table, rejecting unknown keys and bad values."""
     if not isinstance(table, Mapping):
-        raise ConfigError(source, section, f"= {table!r} must be a table ([{section}])")
+        raise ConfigError(source, section, f"= {_show(table)} must be a table ([{section}])")
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(table) - set(known))
@@ -151,11 +172,11 @@ def parse_section(cls: type, table: Mapping[str, Any], source: str, section: str
         for item in items:
             if meta.get("choices") is not None and item not in meta["choices"]:
                 allowed = ", ".join(repr(c) for c in meta["choices"])
-                raise ConfigError(source, key, f"= {item!r} is not one of {allowed}")
+                raise ConfigError(source, key, f"= {_show(item)} is not one of {allowed}")
             if meta.get("minimum") is not None and item is not None and item < meta["minimum"]:
-                raise ConfigError(source, key, f"= {item!r} must be >= {meta['minimum']}")
+                raise ConfigError(source, key, f"= {_show(item)} must be >= {meta['minimum']}")
             if meta.get("maximum") is not None and item is not None and item > meta["maximum"]:
-                raise ConfigError(source, key, f"= {item!r} must be <= {meta['maximum']}")
+                raise ConfigError(source, key, f"= {_show(item)} must be <= {meta['maximum']}")
         values[name] = value
     try:
         obj = cls(**values)
@@ -185,6 +206,12 @@ class RunConfig:
     seed: int = option(1234, "seed for every random stream (init, data, routing)", minimum=0)
     output: str = option("runs/default", "run directory: config.toml, metrics.h5, trace.h5, ...")
     log_every: int = option(1, "rank-0 progress line every N steps", minimum=1)
+    watchdog_s: float = option(
+        600.0,
+        "seconds one step, sweep iteration or checkpoint may take before the job is declared "
+        "hung: every rank reports its current action and the job aborts; 0 = off",
+        minimum=0.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -312,29 +339,62 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError("--set", key, "must be section.key (e.g. topology.pp=4)")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (ValueError, RecursionError):  # TOMLDecodeError, or a > 4300-digit integer
         value = raw.strip()
     return parts, value
+
+
+MAX_DECK_BYTES = 16 << 20
+"""Decks are hand-written text; a bigger file is a wrong path (a dataset, a checkpoint)."""
+
+
+def _read_deck(deck: Path, source: str) -> str:
+    """The deck's text, or ConfigError: missing, a directory, not a regular file (a FIFO would
+    block the read forever), unreadable, too large or not UTF-8."""
+    try:
+        info = deck.stat()
+    except FileNotFoundError:
+        raise ConfigError(source, "", "no such input deck; see inputs/ for examples") from None
+    except NotADirectoryError:
+        raise ConfigError(
+            source, "", "no such input deck (a parent in the path is a file, not a directory)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(source, "", f"cannot be read: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError(source, "", "is a directory, expected a TOML input deck")
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(
+            source, "", "is not a regular file (a FIFO, socket or device); expected a TOML deck"
+        )
+    if info.st_size > MAX_DECK_BYTES:
+        raise ConfigError(
+            source, "", f"is {info.st_size} bytes, too large for an input deck (a wrong path?)"
+        )
+    try:
+        return deck.read_bytes().decode("utf-8")
+    except PermissionError:
+        raise ConfigError(source, "", "cannot be read (permission denied)") from None
+    except OSError as exc:
+        raise ConfigError(source, "", f"cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(source, "", "is not UTF-8 text; expected a TOML input deck") from None
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
     """Read a deck (or the built-in quick-start deck), apply `--set` overrides, validate."""
     deck = Path(path) if path is not None else DEFAULT_DECK
     source = str(path) if path is not None else "<built-in quickstart deck>"
-    try:
-        text = deck.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(source, "", "no such input deck; see inputs/ for examples") from None
-    except IsADirectoryError:
-        raise ConfigError(source, "", "is a directory, expected a TOML input deck") from None
-    except PermissionError:
-        raise ConfigError(source, "", "cannot be read (permission denied)") from None
-    except UnicodeDecodeError:
-        raise ConfigError(source, "", "is not UTF-8 text; expected a TOML input deck") from None
+    text = _read_deck(deck, source)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, "", f"is not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per nesting level
+        raise ConfigError(source, "", "is not a usable TOML deck: nested too deeply") from None
+    except ValueError as exc:  # tomllib lets int() refuse literals of more than 4300 digits
+        why = "an integer has more than 4300 digits" if "digits" in str(exc) else str(exc)
+        raise ConfigError(source, "", f"is not a usable TOML deck: {why}") from None
 
     overrides = list(overrides)
     for item in overrides:

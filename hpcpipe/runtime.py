@@ -17,6 +17,8 @@ from typing import Any
 
 from hpcpipe.backend import Backend, make_backend
 from hpcpipe.config import Config, ConfigError, dump_toml
+from hpcpipe.faults import maybe_fail
+from hpcpipe.mpi.watchdog import Watchdog
 from hpcpipe.topology import RankMap, TopologyError
 
 __all__ = ["WORKLOADS", "RunContext", "build_rankmap", "run_job"]
@@ -42,6 +44,8 @@ class RunContext:
     resume: str | None = None
     """None, "latest" (the run directory's latest checkpoint) or a checkpoint path."""
     started: float = field(default_factory=time.perf_counter)
+    watchdog: Watchdog = field(default_factory=lambda: Watchdog(0))
+    """Arm it around each step (`with ctx.watchdog.phase(...)`): a hang becomes a report."""
 
     @property
     def rank(self) -> int:
@@ -77,12 +81,65 @@ def build_rankmap(config: Config, world: int, ranks_per_node: int) -> RankMap:
         raise ConfigError(
             config.source,
             f"topology.{exc.dim}" if exc.dim else "topology",
-            f"{exc.detail} (launch a matching number of ranks or change [topology])",
+            f"{exc.detail} ({_fitting_worlds(config, world)})",
         ) from None
     problems = rankmap.check_intra_node(topo.intra_node)
     if problems and topo.cross_node == "error":
         raise ConfigError(config.source, "topology.intra_node", "; ".join(problems))
     return rankmap
+
+
+def _fitting_worlds(config: Config, world: int) -> str:
+    """The hint of a world-size error: which launch sizes fit the deck's [topology]."""
+    topo = config.topology
+    if topo.dp:
+        n = topo.pp * topo.dp
+        return (
+            f"the deck needs topology.pp * topology.dp = {n} ranks: launch mpiexec -n {n}, "
+            "or set topology.dp = 0 to give data parallelism the rest of the world"
+        )
+    unit = topo.pp * topo.ep
+    low, high = world // unit * unit, (world // unit + 1) * unit
+    sizes = f"{low} or {high}" if low else f"{high}"
+    return (
+        f"topology.pp * topology.ep = {topo.pp} * {topo.ep} = {unit} must divide the world size: "
+        f"launch mpiexec -n {sizes} (any multiple of {unit}), or change [topology]"
+    )
+
+
+def _check_slurm(world: Any, config: Config) -> Any:
+    """Compare the world and topology.ranks_per_node with what Slurm allocated (see
+    hpcpipe.preflight.check_slurm); every rank raises the same ConfigError. Returns Slurm's
+    layout of this launch (None when there is none, or it cannot be told)."""
+    from mpi4py import MPI
+
+    from hpcpipe.preflight import check_slurm, slurm_layout
+
+    procid = os.environ.get("SLURM_PROCID", "")
+    srun = world.allreduce(int(procid.isdigit() and int(procid) == world.rank), op=MPI.MIN)
+    layout = slurm_layout(os.environ, srun_launched=bool(srun))
+    layouts = world.allgather(layout)
+    if any(other != layouts[0] for other in layouts):
+        return None  # ranks see different allocations (mixed environments): nothing to tell
+    for warning in check_slurm(layout, world.size, config.topology.ranks_per_node, config.source):
+        if world.rank == 0:
+            print(f"WARNING: {warning}", file=sys.stderr, flush=True)
+    return layout
+
+
+def _prepare_output(config: Config, world: Any, node_comm: Any) -> Path:
+    """Rank 0 creates the run directories and writes config.toml; then one rank per node checks
+    it can write there. Any failure (a file in the way, read-only or full file system, no
+    permission) is bad input naming the key, raised on every rank before any work."""
+    from hpcpipe.preflight import check_output, prepare_output
+
+    problem = world.bcast(prepare_output(config) if world.rank == 0 else None, root=0)
+    if problem is None and node_comm.rank == 0 and world.rank != 0:
+        problem = check_output(config)
+    found = [p for p in world.allgather(problem) if p is not None]
+    if found:
+        raise ConfigError(config.source, *found[0])
+    return Path(config.run.output)
 
 
 def _check_launcher(world_size: int) -> None:
@@ -111,14 +168,21 @@ def run_job(
 
     from hpcpipe.mpi.comms import build_comms, discover_nodes
     from hpcpipe.mpi.guard import prepare
+    from hpcpipe.preflight import check_deck, slurm_nodes_warning
 
     prepare()
+    maybe_fail("startup")
     world = MPI.COMM_WORLD
     _check_launcher(world.size)
+    slurm = _check_slurm(world, config)
     topo = config.topology
     node_info, node_comm = discover_nodes(world, topo.ranks_per_node)
-    rankmap = build_rankmap(config, world.size, node_info.ranks_per_node)
+    rankmap = check_deck(config, world.size, node_info.ranks_per_node, files=dry_run)
     if world.rank == 0:
+        if not node_info.virtual:
+            warning = slurm_nodes_warning(slurm, node_info.nodes)
+            if warning:
+                print(f"WARNING: {warning}", file=sys.stderr, flush=True)
         for problem in rankmap.check_intra_node(topo.intra_node):
             if topo.cross_node == "warn":
                 print(f"WARNING: {problem}", file=sys.stderr, flush=True)
@@ -136,19 +200,13 @@ def run_job(
             print(rankmap.describe())
         return 0
 
+    output = _prepare_output(config, world, node_comm)
     device = config.device
-    backend = make_backend(device.kind, device.dtype, node_info.local_rank, device.cuda_aware)
+    try:
+        backend = make_backend(device.kind, device.dtype, node_info.local_rank, device.cuda_aware)
+    except RuntimeError as exc:  # no CuPy, no visible GPU: the deck asks what the node lacks
+        raise ConfigError(config.source, "device.kind", f"cannot be used here: {exc}") from None
     comms = build_comms(world, rankmap, node_comm, node_info)
-    output = Path(config.run.output)
-    if world.rank == 0:
-        try:
-            output.mkdir(parents=True, exist_ok=True)
-            (output / "config.toml").write_text(dump_toml(config), encoding="utf-8")
-        except OSError as exc:
-            raise RuntimeError(
-                f"cannot write the run directory {output} (run.output): {exc.strerror}"
-            ) from None
-    world.Barrier()
     ctx = RunContext(
         config=config,
         rankmap=rankmap,
@@ -165,8 +223,12 @@ def run_job(
         f"{' (virtual)' if node_info.virtual else ''} device={backend.kind} "
         f"mpi_cuda_aware={int(backend.cuda_aware)} output={output}"
     )
-    workload(ctx)
-    world.Barrier()
+    if backend.on_gpu:  # the decision decides the data path: say why it was made
+        ctx.log(f"device: {backend.describe()}")
+    with Watchdog(config.run.watchdog_s) as ctx.watchdog:
+        workload(ctx)
+        with ctx.watchdog.phase("the final barrier", lambda: "MPI_Barrier after the workload"):
+            world.Barrier()
     ctx.log(f"done in {time.perf_counter() - ctx.started:.2f}s")
     comms.free()
     return 0

@@ -46,6 +46,12 @@ def mpiexec_command() -> list[str]:
     return cmd
 
 
+def clean_environ() -> dict[str, str]:
+    """This process's environment without Slurm's variables: pytest may itself run inside an
+    allocation, whose task counts would (rightly) contradict a test's own mpiexec -n."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+
 @dataclass
 class Result:
     returncode: int
@@ -69,7 +75,7 @@ def run_mpi(
     """`mpiexec -n N python -m hpcpipe ARGS`; a hang becomes a test failure after `timeout`."""
     import time
 
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**clean_environ(), **(env or {})}
     cmd = [*mpiexec_command(), "-n", str(n), sys.executable, "-m", "hpcpipe", *args]
     t0 = time.monotonic()
     try:

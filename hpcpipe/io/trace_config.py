@@ -20,7 +20,10 @@ class TraceConfig:
 
     enabled: bool = option(False, "record start and end of every action into the trace file")
     capacity: int = option(
-        1 << 16, "events preallocated per rank; the buffer doubles when full", minimum=1
+        1 << 16,
+        "events preallocated per rank; the buffer doubles when full",
+        minimum=1,
+        maximum=1 << 24,  # about 1 GiB of events; more would fail at allocation on every rank
     )
     path: str = option("", "trace file; empty = <run.output>/trace.h5")
     steps: tuple[int, ...] = option(

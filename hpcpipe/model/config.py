@@ -18,7 +18,12 @@ class ModelConfig:
         "gpt: decoder-only transformer; mlp: per-token residual MLP (sees one token of context)",
         choices=("mlp", "gpt"),
     )
-    layers: int = option(4, "residual blocks (the model has layers + 2 pipeline units)", minimum=1)
+    layers: int = option(
+        4,
+        "residual blocks (the model has layers + 2 pipeline units)",
+        minimum=1,
+        maximum=4096,  # every rank builds every block's description: keep start-up bounded
+    )
     d_model: int = option(64, "width of the residual stream", minimum=1)
     n_heads: int = option(4, "attention heads (gpt); must divide d_model", minimum=1)
     d_ff: int = option(256, "hidden width of each MLP", minimum=1)

@@ -13,7 +13,12 @@ __all__ = ["MoEConfig", "check_moe"]
 class MoEConfig:
     """[moe]: which blocks are MoE, how many experts, routing, capacity and auxiliary losses."""
 
-    experts: int = option(0, "experts per MoE block; 0 = no MoE (dense model)", minimum=0)
+    experts: int = option(
+        0,
+        "experts per MoE block; 0 = no MoE (dense model)",
+        minimum=0,
+        maximum=4096,  # routing tables and per-expert bookkeeping grow with it on every rank
+    )
     top_k: int = option(2, "experts each token is routed to", choices=(1, 2))
     capacity_factor: float = option(
         1.25,

@@ -32,9 +32,14 @@ class PipelineConfig:
         "'csv' loads a hand-written one from schedule_csv",
         choices=(*SCHEDULE_NAMES, "auto", "csv"),
     )
-    microbatches: int = option(8, "microbatches per step (m)", minimum=1)
+    microbatches: int = option(
+        8,
+        "microbatches per step (m)",
+        minimum=1,
+        maximum=65536,  # schedules are built and validated action by action: O(pp * m)
+    )
     virtual_stages: int | None = option(
-        None, "stages per rank for interleaved-1f1b (unset: 2)", minimum=1
+        None, "stages per rank for interleaved-1f1b (unset: 2)", minimum=1, maximum=4096
     )
     schedule_csv: str | None = option(
         None, "CSV schedule file (one row of actions per rank) used when schedule = 'csv'"

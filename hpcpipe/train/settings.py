@@ -20,7 +20,9 @@ class TrainConfig:
     stage_units: tuple[int, ...] = option(
         (), "explicit units per stage (overrides partition)", minimum=1
     )
-    bucket_mb: float = option(4.0, "data-parallel allreduce bucket size in MiB", minimum=0.001)
+    bucket_mb: float = option(
+        4.0, "data-parallel allreduce bucket size in MiB", minimum=0.001, maximum=2.0**20
+    )
     recv_lookahead: int = option(8, "receives posted this many actions ahead", minimum=1)
     verify: bool = option(
         False,

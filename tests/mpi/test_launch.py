@@ -112,7 +112,7 @@ def test_bad_deck_under_mpiexec_exits_2_once(mpirun, tmp_path):
     assert "device.kind = 'tpu' is not one of 'cpu', 'cuda'" in r.stderr
 
 
-def test_unwritable_output_is_a_clear_runtime_error(mpirun, tmp_path):
+def test_unwritable_output_is_bad_input_naming_the_key(mpirun, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     r = mpirun(
@@ -129,5 +129,6 @@ def test_unwritable_output_is_a_clear_runtime_error(mpirun, tmp_path):
         ],
         timeout=60,
     )
-    assert r.returncode == 1
-    assert "cannot write the run directory" in r.stderr and "[rank 0 on" in r.stderr
+    assert r.returncode == 2, r.output  # found before any work, the same on every rank
+    assert "run.output" in r.stderr and "[ENOTDIR]" in r.stderr
+    assert "Traceback" not in r.stderr
