@@ -1,9 +1,11 @@
 """Deliberate faults for testing that failures end the whole job (never a hang).
 
 Set `HPCPIPE_INJECT_FAULT="rank=3,at=topology,kind=raise"` (kind: raise, exit, kill, hang, or
-usr1, which sends the process the scheduler's time-limit warning; `at`
-names an injection point such as `topology`, `step:5`, `forward`, `allreduce`, `checkpoint`,
-or `sweep-iteration:2`, the start of a sweep's second source iteration).
+usr1/term, which send the process the scheduler's time-limit warning or termination signal; `at`
+names an injection point such as `topology`, `step:5`, `forward:5`, `backward:5`, `allreduce`,
+`alltoall`, `checkpoint`, `checkpoint-commit` or `sweep-iteration:2`, the start of a sweep's
+second source iteration); `hit=N` fires on the N-th time the rank reaches the point (default 1),
+so a fault can land in the third allreduce or during the second checkpoint.
 Unset, `maybe_fail` costs one dictionary lookup.
 """
 
@@ -16,6 +18,7 @@ import time
 __all__ = ["InjectedFault", "maybe_fail"]
 
 _SPEC: dict[str, str] | None = None
+_HITS = [0]
 
 
 class InjectedFault(RuntimeError):
@@ -30,10 +33,19 @@ def _spec() -> dict[str, str]:
     return _SPEC
 
 
-def maybe_fail(point: str, rank: int) -> None:
-    """Trigger the configured fault if this rank is at the configured injection point."""
+def maybe_fail(point: str, rank: int | None = None) -> None:
+    """Trigger the configured fault if this rank (default: the world rank) is at the point."""
     spec = _spec()
-    if not spec or spec.get("at") != point or int(spec.get("rank", "-1")) != rank:
+    if not spec or spec.get("at") != point:
+        return
+    if rank is None:
+        from hpcpipe.mpi.guard import launcher_rank
+
+        rank = launcher_rank()
+    if int(spec.get("rank", "-1")) != rank:
+        return
+    _HITS[0] += 1
+    if _HITS[0] != int(spec.get("hit", "1")):
         return
     kind = spec.get("kind", "raise")
     if kind == "raise":
@@ -42,10 +54,12 @@ def maybe_fail(point: str, rank: int) -> None:
         os._exit(3)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "usr1":
-        os.kill(os.getpid(), signal.SIGUSR1)
+    if kind in ("usr1", "term"):
+        os.kill(os.getpid(), signal.SIGUSR1 if kind == "usr1" else signal.SIGTERM)
         return
     if kind == "hang":
         while True:
             time.sleep(1)
-    raise ValueError(f"HPCPIPE_INJECT_FAULT: kind = {kind!r} is not raise, exit, kill, usr1, hang")
+    raise ValueError(
+        f"HPCPIPE_INJECT_FAULT: kind = {kind!r} is not raise, exit, kill, usr1, term, hang"
+    )

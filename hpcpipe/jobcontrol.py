@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from hpcpipe.config import ConfigError
 from hpcpipe.io.checkpoint import CheckpointError, latest_checkpoint, resolve_checkpoint
 
-__all__ = ["STATES", "StopSignal", "find_checkpoint", "write_status"]
+__all__ = ["STATES", "StopSignal", "catch_early_stop", "find_checkpoint", "write_status"]
 
 STATES = ("finished", "preempted", "not-converged")
 """Values of `state` in status.json: done, stopped on a signal (requeue), gave up (do not)."""
@@ -65,6 +66,29 @@ def find_checkpoint(comm: Any, where: str, directory: Path | None) -> Path:
     return Path(path)
 
 
+_EARLY: list[int] = []
+
+
+def _remember(signum: int, frame: Any) -> None:
+    if signum in _EARLY:  # asked twice before any workload could act on it: die as usual
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    _EARLY.append(signum)
+
+
+def catch_early_stop() -> None:
+    """Hold SIGUSR1 / SIGTERM from process start until a workload's StopSignal takes over.
+
+    Their default action kills the process; a scheduler that warns while the job is still
+    starting (MPI_Init, reading the deck, building the model) would lose the whole slice. The
+    first StopSignal created afterwards starts out stopped, so the run checkpoints at the
+    first opportunity and exits 0. The same signal a second time ends the process as usual.
+    """
+    for sig in StopSignal.SIGNALS:
+        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+            signal.signal(sig, _remember)
+
+
 class StopSignal:
     """SIGUSR1 / SIGTERM (Slurm's time-limit warning) ask for a checkpoint and a clean exit.
 
@@ -75,7 +99,7 @@ class StopSignal:
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self.received: int | None = None
+        self.received: int | None = _EARLY[0] if _EARLY else None
         self._old: dict[int, Any] = {}
         for sig in self.SIGNALS:
             # outside the main thread (embedded use) there is no signal handling

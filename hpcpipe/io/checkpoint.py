@@ -63,6 +63,7 @@ from hpcpipe.io.ckpt_store import (
     step_name,
     write_latest,
 )
+from hpcpipe.io.space import ensure_space
 
 __all__ = [
     "FORMAT_VERSION",
@@ -196,6 +197,7 @@ def _write_shard(
     """
     name = f"shard_{rank:06d}.h5"
     path = tmp / name
+    ensure_space(tmp, sum(int(s.array.nbytes) for s in slices), f"shard {path}", len(slices))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc32") as pool:
         pending = [pool.submit(crc32, s.array) for s in slices]
         with h5py.File(path, "w", libver=LIBVER) as f:
@@ -228,6 +230,13 @@ def _write_shared(
     """Every rank creates every dataset of the one shared file (HDF5 needs creation to be
     collective), then each writer fills its own independently."""
     path = tmp / SHARED_FILE
+    total = sum(  # every rank computes the same total: all raise, or none (creation is collective)
+        int(np.prod([b - a for a, b in zip(start, stop, strict=True)])) * np.dtype(dtype).itemsize
+        for rank_metas in metas
+        for _name, _gshape, dtype, start, stop, _dataset, _crc in rank_metas
+    )
+    count = sum(len(rank_metas) for rank_metas in metas)
+    ensure_space(tmp, total, f"shared checkpoint file {path}", count)
     with h5py.File(path, "w", driver="mpio", comm=comm, libver=LIBVER) as f:
         _shard_attrs(f, step, checkpoint_id, -1)
         mine = {}
@@ -245,6 +254,11 @@ def _write_shared(
                 maybe_fail("checkpoint", comm.rank)
         if fsync:
             f.flush()  # H5Fflush: MPI_File_sync on every rank of the communicator
+
+
+def _attrs_bytes(attrs: Mapping[str, Any] | None) -> int:
+    """Rough size of the index's attributes (the tables are covered by the headroom)."""
+    return sum(len(str(v)) for v in (attrs or {}).values())
 
 
 def _describe_failure(rank: int, exc: BaseException) -> str:
@@ -447,6 +461,7 @@ def _commit(
                     name, size, rank_metas = written
                     metas.append((rank, len(shards), rank_metas))
                     shards.append(ShardEntry(name, rank, size))
+        ensure_space(c.tmp, _attrs_bytes(attrs), f"checkpoint index {c.tmp / INDEX_FILE}")
         write_index(
             c.tmp / INDEX_FILE,
             step=c.step,

@@ -220,7 +220,9 @@ def cycle_error(table: ComputeTable, heads: np.ndarray) -> ScheduleError:
         marks += [(r, step), (dr, dstep)]
     more = f"; {heads.size - 6} more rank(s) stuck" if heads.size > 6 else ""
     return ScheduleError(
-        "dependency cycle: no rank can start its next action: " + "; ".join(lines) + more,
+        "dependency cycle: no rank can start its next action (it would deadlock): "
+        + "; ".join(lines)
+        + more,
         sched,
         marks,
     )

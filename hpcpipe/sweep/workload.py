@@ -21,6 +21,7 @@ from hpcpipe.io.ckpt_config import CheckpointConfig
 from hpcpipe.io.trace import EventKind, Recorder, write_trace
 from hpcpipe.io.trace_config import TraceConfig
 from hpcpipe.jobcontrol import StopSignal, find_checkpoint, write_status
+from hpcpipe.mpi.watchdog import Watchdog
 from hpcpipe.sweep import checkpointing
 from hpcpipe.sweep.config import SweepConfig
 from hpcpipe.sweep.mesh import build_problem
@@ -59,6 +60,7 @@ def run(ctx: Any) -> None:
             trace=ctx.config.trace,
             resume=ctx.resume,
             stop=stop,
+            watchdog=ctx.watchdog,
         )
     finally:
         stop.restore()
@@ -78,12 +80,14 @@ def run_sweep(
     trace: TraceConfig | None = None,
     resume: str | None = None,
     stop: StopSignal | None = None,
+    watchdog: Watchdog | None = None,
 ) -> SolveResult:
     """Solve one [sweep] problem on `comm`; rank 0 writes outputs under `output` (if given).
 
     Checkpoints (into `checkpoint.directory(output)`) are written every `checkpoint.every`
     iterations, after the last one when `every` > 0, and when `stop` caught a signal; `resume`
     ("latest" or a checkpoint path) continues from one. `trace` records events into trace.h5.
+    `watchdog` (armed per iteration) turns a hung iteration into a report and an abort.
     With an `output`, status.json tells the job script how the run ended. Raises
     ConvergenceError on every rank (after writing) when the tolerance was not reached.
     """
@@ -123,7 +127,7 @@ def run_sweep(
     start = None
     if resume is not None:
         path = find_checkpoint(comm, resume, directory)
-        start, attrs = checkpointing.restore(path, cfg, owned, xp)
+        start, attrs = checkpointing.restore(path, cfg, owned, xp, comm=comm)
         _check_resumable(path, start, cfg)
         grid = attrs.get("grid", {})
         log(
@@ -131,6 +135,7 @@ def run_sweep(
             f"{grid.get('px')} x {grid.get('py')} run)"
         )
     control = _Control(comm, cfg, owned, settings, directory, rec, stop, config_text, log)
+    control.watchdog, control.where = watchdog or Watchdog(0), sweeper.where
     result = solve(
         problem,
         cells,
@@ -214,8 +219,11 @@ class _Control:
         self.rec, self.stop, self.config_text, self.log = rec, stop, config_text, log
         self.last: Path | None = None
         self._t0 = 0
+        self.watchdog = Watchdog(0)
+        self.where: Callable[[], str] = lambda: "(unknown)"
 
     def begin(self, iteration: int) -> None:
+        self.watchdog.arm(f"sweep iteration {iteration}", self.where)
         maybe_fail(f"sweep-iteration:{iteration}", self.comm.rank)
         self.rec.begin_step(iteration - 1)  # trace steps are 0-based, like [trace] steps
         self._t0 = self.rec.now()
@@ -224,6 +232,13 @@ class _Control:
         return self.stop is not None and self.stop.received is not None
 
     def end(self, iterate: Iterate, final: bool, stopping: bool) -> None:
+        """Checkpoint when due, still under the iteration's watchdog; then disarm it."""
+        try:
+            self._end(iterate, final, stopping)
+        finally:
+            self.watchdog.disarm()
+
+    def _end(self, iterate: Iterate, final: bool, stopping: bool) -> None:
         rec, dphi = self.rec, iterate.history[-1]
         if rec.enabled:
             rec.record(EventKind.STEP, -1, -1, self._t0, rec.now(), value=dphi)

@@ -38,6 +38,10 @@ __all__ = ["restore", "save"]
 FORMAT_TAG = "hpcpipe-train"
 
 
+HISTORY = "history/"
+"""Tensor name prefix of the per-step metrics (rank 0's), one float64 [steps] tensor each."""
+
+
 def _name(slot: str | None, unit: int, key: str) -> str:
     return f"unit{unit:04d}/{key}" if slot is None else f"optim/{slot}/unit{unit:04d}/{key}"
 
@@ -74,24 +78,12 @@ def save(
             host = ctx.backend.to_host(value)
             tensors[name] = (ShardSpec(name, host.shape, host.dtype), host)
     opt_steps = {st.step for st in opt_state.values()}
-    attrs = {
-        "producer": FORMAT_TAG,
-        "config": dump_toml(cfg),
-        "topology": json.dumps(
-            {"world": ctx.size, **ctx.rankmap.dims, "order": list(ctx.rankmap.order)}
-        ),
-        "data_position": step,
-        "optimizer_step": max(opt_steps) if opt_steps else 0,
-        "rng": json.dumps(
-            {
-                "seed": cfg.run.seed,
-                "data_seed": cfg.data.seed,
-                "note": "init and data depend only on (seed, step)",
-            }
-        ),
-        "history": json.dumps(history),
-        "hpcpipe_version": __version__,
-    }
+    attrs = None  # only rank 0's go to the index: the others need not build (or hold) them
+    if ctx.rank == 0:
+        attrs = _index_attrs(ctx, step, opt_steps, history)
+        for key, values in history.items():  # float64 tensors: compact, checksummed
+            host = np.asarray(values, dtype=np.float64)
+            tensors[HISTORY + key] = (ShardSpec(HISTORY + key, host.shape, host.dtype), host)
     ck = cfg.checkpoint
     return save_checkpoint(
         ctx.comms.world,
@@ -106,18 +98,50 @@ def save(
     )
 
 
-def restore(
-    ctx: RunContext, params: dict[int, Any], opt_state: dict[int, OptimState]
-) -> tuple[int, dict[str, list[float]]]:
-    """Load what this rank owns now into `params`/`opt_state` (in place); returns the step to
-    start from and the metrics history so far."""
-    path = find_checkpoint(ctx.comms.world, ctx.resume, ctx.config.checkpoint.directory(ctx.output))
+def _index_attrs(
+    ctx: RunContext, step: int, opt_steps: set[int], history: dict[str, list[float]]
+) -> dict[str, Any]:
+    cfg = ctx.config
+    return {
+        "producer": FORMAT_TAG,
+        "config": dump_toml(cfg),
+        "topology": json.dumps(
+            {"world": ctx.size, **ctx.rankmap.dims, "order": list(ctx.rankmap.order)}
+        ),
+        "data_position": step,
+        "optimizer_step": max(opt_steps) if opt_steps else 0,
+        "rng": json.dumps(
+            {
+                "seed": cfg.run.seed,
+                "data_seed": cfg.data.seed,
+                "note": "init and data depend only on (seed, step)",
+            }
+        ),
+        "history_keys": json.dumps(sorted(history)),
+        "hpcpipe_version": __version__,
+    }
+
+
+def _resume_error(path: Path, why: str) -> ConfigError:
+    return ConfigError("--resume", "", f"{path}: {why}")
+
+
+def _int_attr(path: Path, attrs: dict[str, Any], key: str) -> int:
+    value = attrs.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _resume_error(
+            path, f"attribute {key!r} = {value!r} is not a step count: the checkpoint is damaged"
+        )
+    return value
+
+
+def _read_state(
+    path: Path, params: dict[int, Any], opt_state: dict[int, OptimState], rank: int
+) -> tuple[dict[str, np.ndarray], int, int, dict[str, list[float]], Any]:
+    """Everything a resume needs, read and checked (every CRC32, shape, dtype and attribute);
+    nothing is applied, so a bad checkpoint leaves the freshly built model untouched."""
     try:
         attrs = read_attrs(path)
-        wanted = {}
-        for name, _, value in _walk(params, opt_state):
-            wanted[name] = ShardSpec(name, tuple(value.shape), np.dtype(value.dtype))
-        loaded = load_checkpoint(path, wanted)
     except CheckpointError as exc:
         raise ConfigError("--resume", "", str(exc)) from None
     if attrs.get("producer") not in (None, FORMAT_TAG):
@@ -126,6 +150,65 @@ def restore(
             "",
             f"{path} was written by {attrs.get('producer')!r}, not by a training run",
         )
+    step = _int_attr(path, attrs, "data_position")
+    optimizer_step = _int_attr(path, attrs, "optimizer_step")
+    try:
+        history = json.loads(attrs.get("history", "{}"))  # older checkpoints: JSON attribute
+        keys = json.loads(attrs.get("history_keys", "[]"))
+        topology = json.loads(attrs["topology"]) if "topology" in attrs else None
+    except (TypeError, ValueError) as exc:
+        raise _resume_error(path, f"attribute 'history' or 'topology' is damaged ({exc})") from None
+    if not isinstance(history, dict) or not all(isinstance(v, list) for v in history.values()):
+        raise _resume_error(path, "attribute 'history' is not a table of metric lists")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise _resume_error(path, "attribute 'history_keys' is not a list of metric names")
+    wanted = {}
+    for name, _, value in _walk(params, opt_state):
+        wanted[name] = ShardSpec(name, tuple(value.shape), np.dtype(value.dtype))
+    if rank == 0:  # the metrics history lives on rank 0 only
+        for key in keys:
+            wanted[HISTORY + key] = ShardSpec(HISTORY + key, (step,), np.dtype(np.float64))
+    try:
+        loaded = load_checkpoint(path, wanted)
+    except CheckpointError as exc:
+        raise ConfigError("--resume", "", str(exc)) from None
+    for key in keys if rank == 0 else ():
+        history[key] = loaded.pop(HISTORY + key).tolist()
+    return loaded, step, optimizer_step, history, topology
+
+
+def _agree(comm: Any, error: ConfigError | None) -> None:
+    """Collective: raise the same ConfigError on every rank when any rank's load failed, so a
+    shard damaged under one rank still ends the job with one message and exit code 2."""
+    failed = [(r, e) for r, e in enumerate(comm.allgather(error.message if error else None)) if e]
+    if not failed:
+        return
+    message = failed[0][1]
+    if len(failed) < comm.size:  # found only where the damaged file is read: say where
+        who = ", ".join(str(r) for r, _ in failed[:8]) + (", ..." if len(failed) > 8 else "")
+        message += f" (found by rank {who}; no rank loaded anything)"
+    raise ConfigError("--resume", "", message)
+
+
+def restore(
+    ctx: RunContext, params: dict[int, Any], opt_state: dict[int, OptimState]
+) -> tuple[int, dict[str, list[float]]]:
+    """Load what this rank owns now into `params`/`opt_state` (in place); returns the step to
+    start from and the metrics history so far.
+
+    Collective. Every rank reads and checks all of its state first and the ranks agree before
+    any parameter is replaced: a damaged checkpoint is a ConfigError (exit 2) on every rank.
+    """
+    world = ctx.comms.world
+    path = find_checkpoint(world, ctx.resume, ctx.config.checkpoint.directory(ctx.output))
+    error, state = None, None
+    try:
+        state = _read_state(path, params, opt_state, world.rank)
+    except ConfigError as exc:
+        error = exc
+    _agree(world, error)
+    assert state is not None
+    loaded, step, optimizer_step, history, topology = state
     xp = ctx.xp
     for s, tree in params.items():
         for unit, p in tree.items():
@@ -138,10 +221,6 @@ def restore(
             }
             for slot, slot_tree in opt_state[s].slots.items()
         }
-        opt_state[s] = OptimState(int(attrs["optimizer_step"]), slots)
-    step = int(attrs["data_position"])
-    history = json.loads(attrs.get("history", "{}"))
-    ctx.log(
-        f"resumed from {path} at step {step} (written by a {json.loads(attrs['topology'])} run)"
-    )
+        opt_state[s] = OptimState(optimizer_step, slots)
+    ctx.log(f"resumed from {path} at step {step} (written by a {topology} run)")
     return step, {k: list(v)[:step] for k, v in history.items()}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from mpi4py import MPI
 
 from hpcpipe.config import ConfigError, dump_toml
 from hpcpipe.faults import maybe_fail
+from hpcpipe.io.space import ensure_space
 from hpcpipe.io.trace import EventKind, write_trace
 from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.model.models import boundary_shape, build_model, partition
@@ -29,6 +32,8 @@ from hpcpipe.train.pipeline import PipelineRank, StepResult
 __all__ = ["run"]
 
 METRICS_FORMAT = ("hpcpipe-metrics", 1)
+TIMED_STEPS = 1000
+"""Steps whose action timings feed the end-of-run timing report (the most recent ones)."""
 
 
 def _schedule(ctx: RunContext):
@@ -94,7 +99,8 @@ def run(ctx: RunContext) -> None:
     state, last, done = "finished", None, start
     try:
         for step in range(start, steps):
-            stopping = trainer.step(step, stop)
+            with ctx.watchdog.phase(f"step {step}", trainer.runner.where):
+                stopping = trainer.step(step, stop)
             done = step + 1
             if stopping:
                 last, state = trainer.checkpoint(done), "preempted"
@@ -155,8 +161,9 @@ class Trainer:
         )
         self.needs_data = any(stages[s].is_first or stages[s].is_last for s in self.mine)
         self.history: dict[str, list[float]] = {}
-        self.action_log: list[dict[tuple[str, int], float]] = []
-        self.pipe_times: list[float] = []
+        # the timing report's medians use the last TIMED_STEPS steps: a long run stays flat
+        self.action_log: deque[dict[tuple[str, int], float]] = deque(maxlen=TIMED_STEPS)
+        self.pipe_times: deque[float] = deque(maxlen=TIMED_STEPS)
         ctx.log(
             f"train: model={cfg.model.kind} units={len(units)} schedule={self.schedule.name} "
             f"stages={self.schedule.num_stages} microbatches={m} rows/mb={self.rows_mb} "
@@ -176,7 +183,11 @@ class Trainer:
 
     def checkpoint(self, done: int) -> Path:
         t0 = self.rec.now()
-        path = save(self.ctx, done, self.params, self.opt_state, self.history)
+        with self.ctx.watchdog.phase(
+            f"the checkpoint after step {done}",
+            lambda: f"writing the checkpoint of step {done} into {self.ctx.output}",
+        ):
+            path = save(self.ctx, done, self.params, self.opt_state, self.history)
         if self.rec.enabled:
             self.rec.record(EventKind.CHECKPOINT, -1, -1, t0, self.rec.now())
             self._write_trace()  # so a run that dies later keeps its trace up to here
@@ -272,8 +283,9 @@ class Trainer:
                 f" tok/expert={moe['min']:.0f}/{moe['mean']:.1f}/{moe['max']:.0f}"
                 f" dropped={moe['dropped'] * 100:.1f}% aux={moe['aux']:.3f}"
             )
-        for key, value in figures.items():
-            self.history.setdefault(key, []).append(float(value))
+        if ctx.rank == 0:  # the metrics file, checkpoints' history and verify are rank 0's
+            for key, value in figures.items():
+                self.history.setdefault(key, []).append(float(value))
         if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
             ctx.log(
                 f"step {step + 1}/{cfg.run.steps} loss={loss:.4f} tok/s={tokens / dt:.0f} "
@@ -441,8 +453,8 @@ def _report_activation_memory(ctx: RunContext, schedule, runner: PipelineRank) -
 def _report_timing(
     ctx: RunContext,
     schedule,
-    action_log: list[dict[tuple[str, int], float]],
-    pipe_times: list[float],
+    action_log: Sequence[dict[tuple[str, int], float]],
+    pipe_times: Sequence[float],
     step_times: list[float],
 ) -> dict[str, Any] | None:
     """Measured step time vs the simulator fed with the measured per-stage action costs.
@@ -456,6 +468,9 @@ def _report_timing(
 
     # per-action cost = time of a (kind, stage) over its count: not always m (DualPipeV mixes
     # fused BW with split B/W on one stage)
+    if not action_log:  # every rank ran the same steps: all return here together
+        ctx.log("timing: no step after the warm-up step was timed (the run stopped after one)")
+        return None
     counts = Counter(
         (a.kind.name, a.stage) for a in schedule.rank_actions(ctx.rankmap.coords(ctx.rank)["pp"])
     )
@@ -542,6 +557,7 @@ def _write_metrics(
     import h5py
 
     tmp = path.with_suffix(".h5.tmp")
+    ensure_space(path.parent, 8 * sum(len(v) for v in history.values()), f"metrics {path}")
     with h5py.File(tmp, "w") as f:
         f.attrs["format"], f.attrs["version"] = METRICS_FORMAT
         f.attrs["config"] = dump_toml(cfg)
@@ -557,6 +573,8 @@ def _write_params(path: Path, params: dict[int, dict[str, np.ndarray]]) -> None:
     import h5py
 
     tmp = path.with_suffix(".h5.tmp")
+    nbytes = sum(int(v.nbytes) for p in params.values() for v in p.values())
+    ensure_space(path.parent, nbytes, f"parameters {path}")
     with h5py.File(tmp, "w") as f:
         for i, p in params.items():
             for k, v in p.items():
