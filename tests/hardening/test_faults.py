@@ -263,6 +263,15 @@ def test_stop_signal_in_any_phase_checkpoints_and_exits_zero(tmp_path, phase, si
     assert "stopping on signal" in r.stdout
 
 
+def test_stop_signal_in_an_alltoall_checkpoints_and_exits_zero(tmp_path):
+    args = ["run", MOE, *sets(f"run.output={tmp_path}", "run.steps=6", "checkpoint.every=2")]
+    r = launch(4, args, fault="rank=2,at=alltoall,hit=20,kind=usr1")  # inside step 2
+    assert r.returncode == 0, r.output
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "preempted" and status["step"] == 2, status
+    assert [p.name for p in assert_checkpoints_verify(tmp_path)] == ["step_000002"]
+
+
 def test_stop_signal_in_a_sweep_iteration_checkpoints_and_exits_zero(tmp_path):
     args = ["run", SWEEP, *sets(f"run.output={tmp_path}", "sweep.px=2", "sweep.py=2")]
     r = launch(4, args, fault="rank=3,at=sweep-iteration:2,kind=term")
