@@ -12,6 +12,8 @@ import contextlib
 import json
 import os
 import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -66,41 +68,75 @@ def find_checkpoint(comm: Any, where: str, directory: Path | None) -> Path:
     return Path(path)
 
 
-_EARLY: list[int] = []
+class _SignalThread:
+    """Receives SIGUSR1 / SIGTERM on a thread of its own (`sigwait`), from process start.
+
+    A Python signal handler only runs when the main thread returns to the interpreter, which a
+    rank blocked inside an MPI call never does: a stop request would be lost and a second
+    SIGTERM ignored. With the signals blocked in every thread (set before MPI starts, so MPI's
+    own threads inherit the mask) and one thread waiting for them, the first signal is recorded
+    for the workload's StopSignal (checkpoint at the end of the step, exit 0) and a second one
+    of the same kind ends the process at once, whatever the main thread is doing.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.listeners: list[StopSignal] = []
+        self._lock = threading.Lock()
+        signal.pthread_sigmask(signal.SIG_BLOCK, StopSignal.SIGNALS)
+        threading.Thread(target=self._wait, name="hpcpipe-signals", daemon=True).start()
+
+    def _wait(self) -> None:
+        while True:
+            signum = signal.sigwait(StopSignal.SIGNALS)
+            with self._lock:
+                if signum in self.received:  # asked twice: stop now, like the default action
+                    name = signal.Signals(signum).name
+                    print(f"hpcpipe: second {name}: exiting now", file=sys.stderr, flush=True)
+                    os._exit(128 + signum)
+                self.received.append(signum)
+                for listener in self.listeners:
+                    if listener.received is None:
+                        listener.received = signum
 
 
-def _remember(signum: int, frame: Any) -> None:
-    if signum in _EARLY:  # asked twice before any workload could act on it: die as usual
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-    _EARLY.append(signum)
+_THREAD: list[_SignalThread] = []
 
 
 def catch_early_stop() -> None:
-    """Hold SIGUSR1 / SIGTERM from process start until a workload's StopSignal takes over.
+    """Route SIGUSR1 / SIGTERM to a signal thread for the rest of the process; call it in the
+    main thread before MPI starts (the CLI does).
 
-    Their default action kills the process; a scheduler that warns while the job is still
-    starting (MPI_Init, reading the deck, building the model) would lose the whole slice. The
-    first StopSignal created afterwards starts out stopped, so the run checkpoints at the
-    first opportunity and exits 0. The same signal a second time ends the process as usual.
+    A scheduler that warns while the job is still starting (MPI_Init, reading the deck,
+    building the model) or while a rank waits inside MPI would otherwise kill the rank or lose
+    the request; this way the first StopSignal starts out stopped, so the run checkpoints at
+    the first opportunity and exits 0. The same signal a second time ends the process.
     """
-    for sig in StopSignal.SIGNALS:
-        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-            signal.signal(sig, _remember)
+    if _THREAD or not hasattr(signal, "pthread_sigmask"):
+        return
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        _THREAD.append(_SignalThread())
 
 
 class StopSignal:
     """SIGUSR1 / SIGTERM (Slurm's time-limit warning) ask for a checkpoint and a clean exit.
 
     The handler only sets a flag; ranks agree on it in a reduction the step or iteration does
-    anyway, so every rank stops after the same one.
+    anyway, so every rank stops after the same one. Under the CLI the signal thread sets it
+    (see `catch_early_stop`); embedded use installs ordinary handlers instead.
     """
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self.received: int | None = _EARLY[0] if _EARLY else None
+        self.received: int | None = None
         self._old: dict[int, Any] = {}
+        if _THREAD:
+            thread = _THREAD[0]
+            with thread._lock:
+                self.received = thread.received[0] if thread.received else None
+                thread.listeners.append(self)
+            return
         for sig in self.SIGNALS:
             # outside the main thread (embedded use) there is no signal handling
             with contextlib.suppress(ValueError):
@@ -115,6 +151,9 @@ class StopSignal:
         return 1.0 if self.received is not None else 0.0
 
     def restore(self) -> None:
-        """Put back the handlers that were installed before."""
+        """Stop listening: put back the handlers that were installed before."""
+        if _THREAD:
+            with _THREAD[0]._lock, contextlib.suppress(ValueError):
+                _THREAD[0].listeners.remove(self)
         for sig, old in self._old.items():
             signal.signal(sig, old)

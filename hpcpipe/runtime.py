@@ -164,13 +164,27 @@ def run_job(
     config: Config, *, dry_run: bool = False, verbose: bool = False, resume: str | None = None
 ) -> int:
     """Run `config`'s workload on the current MPI world; returns the exit code."""
+    from hpcpipe.mpi.guard import prepare
+
+    prepare()
+    with Watchdog(config.run.watchdog_s) as watchdog:
+        # start-up is collectives only (no rank computes): a minute covers any sane launch
+        watchdog.arm("start-up", _startup_where, limit_s=max(60.0, config.run.watchdog_s))
+        return _start_and_run(config, watchdog, dry_run=dry_run, verbose=verbose, resume=resume)
+
+
+def _startup_where() -> str:
+    return "start-up: MPI set-up, deck and allocation checks, run directory (collectives)"
+
+
+def _start_and_run(
+    config: Config, watchdog: Watchdog, *, dry_run: bool, verbose: bool, resume: str | None
+) -> int:
     from mpi4py import MPI
 
     from hpcpipe.mpi.comms import build_comms, discover_nodes
-    from hpcpipe.mpi.guard import prepare
     from hpcpipe.preflight import check_deck, slurm_nodes_warning
 
-    prepare()
     maybe_fail("startup")
     world = MPI.COMM_WORLD
     _check_launcher(world.size)
@@ -225,10 +239,11 @@ def run_job(
     )
     if backend.on_gpu:  # the decision decides the data path: say why it was made
         ctx.log(f"device: {backend.describe()}")
-    with Watchdog(config.run.watchdog_s) as ctx.watchdog:
-        workload(ctx)
-        with ctx.watchdog.phase("the final barrier", lambda: "MPI_Barrier after the workload"):
-            world.Barrier()
+    watchdog.disarm()
+    ctx.watchdog = watchdog
+    workload(ctx)
+    with watchdog.phase("the final barrier", lambda: "MPI_Barrier after the workload"):
+        world.Barrier()
     ctx.log(f"done in {time.perf_counter() - ctx.started:.2f}s")
     comms.free()
     return 0

@@ -230,13 +230,6 @@ def _write_shared(
     """Every rank creates every dataset of the one shared file (HDF5 needs creation to be
     collective), then each writer fills its own independently."""
     path = tmp / SHARED_FILE
-    total = sum(  # every rank computes the same total: all raise, or none (creation is collective)
-        int(np.prod([b - a for a, b in zip(start, stop, strict=True)])) * np.dtype(dtype).itemsize
-        for rank_metas in metas
-        for _name, _gshape, dtype, start, stop, _dataset, _crc in rank_metas
-    )
-    count = sum(len(rank_metas) for rank_metas in metas)
-    ensure_space(tmp, total, f"shared checkpoint file {path}", count)
     with h5py.File(path, "w", driver="mpio", comm=comm, libver=LIBVER) as f:
         _shard_attrs(f, step, checkpoint_id, -1)
         mine = {}
@@ -254,6 +247,21 @@ def _write_shared(
                 maybe_fail("checkpoint", comm.rank)
         if fsync:
             f.flush()  # H5Fflush: MPI_File_sync on every rank of the communicator
+
+
+def _shared_space_problem(tmp: Path, metas: list[list[tuple]]) -> str | None:
+    """Why the one shared file cannot fit in `tmp` (None if it can): HDF5 crashes on ENOSPC."""
+    total = sum(
+        int(np.prod([b - a for a, b in zip(start, stop, strict=True)])) * np.dtype(dtype).itemsize
+        for rank_metas in metas
+        for _name, _gshape, dtype, start, stop, _dataset, _crc in rank_metas
+    )
+    count = sum(len(rank_metas) for rank_metas in metas)
+    try:
+        ensure_space(tmp, total, f"shared checkpoint file {tmp / SHARED_FILE}", count)
+    except OSError as exc:
+        return _describe_failure(0, exc)
+    return None
 
 
 def _attrs_bytes(attrs: Mapping[str, Any] | None) -> int:
@@ -394,6 +402,13 @@ def save_checkpoint(
                 _discard(tmp)
             raise CheckpointError(f"checkpoint {final} not written: " + "; ".join(errors))
         metas = [o[1] for o in everyone]
+        # rank 0 decides for all: the file's creation is collective, so no rank may bail alone
+        problem = _shared_space_problem(tmp, metas) if rank == 0 else None
+        problem = comm.bcast(problem, root=0)
+        if problem:
+            if rank == 0:
+                _discard(tmp)
+            raise CheckpointError(f"checkpoint {final} not written: {problem}")
         _write_shared(comm, tmp, step, checkpoint_id, slices, metas, fsync)
         shard_meta = [(r, 0, m) for r, m in enumerate(metas)]
         outcomes = comm.gather(("ok", None), root=0)

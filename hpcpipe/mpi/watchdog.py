@@ -42,10 +42,8 @@ class Watchdog:
         self.limit_s, self.key, self.grace_s = float(limit_s), key, grace_s
         self.poll_s = poll_s if poll_s is not None else min(0.5, max(0.02, self.limit_s / 20))
         self._abort = abort or _mpi_abort
-        self._label = ""
-        self._where: Where | None = None
-        self._started = 0.0
-        self._deadline: float | None = None
+        self._armed: tuple[str, Where | None, float, float] | None = None
+        """(label, where, started, deadline) of the running phase, or None."""
         self._stop = threading.Event()
         self.fired: str | None = None
         self._thread: threading.Thread | None = None
@@ -68,16 +66,18 @@ class Watchdog:
         finally:
             self.disarm()
 
-    def arm(self, label: str, where: Where | None = None) -> None:
-        """Start timing a phase (for loops whose begin and end sit in different calls)."""
+    def arm(self, label: str, where: Where | None = None, limit_s: float | None = None) -> None:
+        """Start timing a phase (for loops whose begin and end sit in different calls);
+        `limit_s` overrides the limit for this phase only."""
         if self._thread is None:
             return
-        self._label, self._where = label, where
-        self._started = time.monotonic()
-        self._deadline = self._started + self.limit_s
+        started = time.monotonic()
+        deadline = started + (self.limit_s if limit_s is None else limit_s)
+        # one assignment: the thread never sees a label from one phase with another's clock
+        self._armed = (label, where, started, deadline)
 
     def disarm(self) -> None:
-        self._deadline = None
+        self._armed = None
 
     def close(self) -> None:
         """Stop the thread (the job ended normally)."""
@@ -95,25 +95,31 @@ class Watchdog:
     # ------------------------------------------------------------------ thread
 
     def _watch(self) -> None:
+        reported = None
         while not self._stop.wait(self.poll_s):
-            deadline = self._deadline
-            if deadline is not None and time.monotonic() > deadline:
-                self._fire()
-                return
+            armed = self._armed  # one read: a consistent snapshot of the phase
+            if armed is not None and armed is not reported and time.monotonic() > armed[3]:
+                reported = armed
+                self._fire(armed)
 
-    def _fire(self) -> None:
-        elapsed = time.monotonic() - self._started
+    def _fire(self, armed: tuple[str, Where | None, float, float]) -> None:
+        label, where_fn, started, deadline = armed
         try:
-            where = self._where() if self._where is not None else "(no detail)"
+            where = where_fn() if where_fn is not None else "(no detail)"
         except Exception as exc:  # the report must not die on a half-updated state
             where = f"(could not describe: {type(exc).__name__}: {exc})"
+        limit = deadline - started
+        over = f"{self.key} = {limit:g}" if limit == self.limit_s else f"its limit of {limit:g} s"
         self.fired = (
-            f"{rank_prefix()} watchdog: {self._label} has run {elapsed:.1f} s, over "
-            f"{self.key} = {self.limit_s:g}; this rank is at: {where}"
+            f"{rank_prefix()} watchdog: {label} has run {time.monotonic() - started:.1f} s, "
+            f"over {over}; this rank is at: {where}"
         )
         print(self.fired, file=sys.stderr, flush=True)
         # the other ranks time out within a poll interval: let their reports out first
         if self._stop.wait(self.grace_s):
+            return
+        if self._armed is not armed:  # the phase ended after all: keep watching
+            print(f"{rank_prefix()} watchdog: {label} finished late", file=sys.stderr, flush=True)
             return
         print(
             f"{rank_prefix()} watchdog: aborting the job (MPI_Abort); raise {self.key} if "
