@@ -83,17 +83,8 @@ def _methods(
                 sends.append(nb_comm.Isend(sbuf, dest=0, tag=7))
         MPI.Request.Waitall(sends)
 
-    def box() -> None:  # rank 0 holds stage 0, rank 1 stage 1: F goes 0 -> 1, B comes back
-        for mb in range(ROUND):
-            if rank == 0:
-                mailbox.post_recv(target, 1, 0, mb, BACKWARD)
-                mailbox.send(sbuf, 1, 1, mb, FORWARD)
-                mailbox.wait_recv(0, mb, BACKWARD)
-            else:
-                mailbox.post_recv(target, 0, 1, mb, FORWARD)
-                mailbox.wait_recv(1, mb, FORWARD)
-                mailbox.send(sbuf, 0, 0, mb, BACKWARD)
-        mailbox.drain()
+    def box() -> None:
+        _mailbox_round(mailbox, rank, target, sbuf, ROUND)
 
     def free() -> None:
         for c in (raw_comm, nb_comm, box_comm):
@@ -244,16 +235,7 @@ def _device_round(
         return rbuf
 
     def box() -> None:
-        for mb in range(DEVICE_ROUND):
-            if rank == 0:
-                mailbox.post_recv(target, 1, 0, mb, BACKWARD)
-                mailbox.send(sbuf, 1, 1, mb, FORWARD)
-                mailbox.wait_recv(0, mb, BACKWARD)
-            else:
-                mailbox.post_recv(target, 0, 1, mb, FORWARD)
-                mailbox.wait_recv(1, mb, FORWARD)
-                mailbox.send(sbuf, 0, 0, mb, BACKWARD)
-        mailbox.drain()
+        _mailbox_round(mailbox, rank, target, sbuf, DEVICE_ROUND)
         backend.synchronize()
 
     return box, box_comm.Free
@@ -326,3 +308,18 @@ def run_device(comm: MPI.Comm, args: argparse.Namespace) -> Report:
         report.summary["staged_vs_direct_median"] = median(ratios)
         report.note(f"staged / direct time, median over sizes: {median(ratios):.2f}")
     return report
+
+
+def _mailbox_round(mailbox: Mailbox, rank: int, target: Any, sbuf: Any, rounds: int) -> None:
+    """`rounds` ping-pongs through the pipeline Mailbox: rank 0 holds stage 0, rank 1 stage 1,
+    F goes 0 -> 1 and B comes back, as in a two-stage pipeline."""
+    for mb in range(rounds):
+        if rank == 0:
+            mailbox.post_recv(target, 1, 0, mb, BACKWARD)
+            mailbox.send(sbuf, 1, 1, mb, FORWARD)
+            mailbox.wait_recv(0, mb, BACKWARD)
+        else:
+            mailbox.post_recv(target, 0, 1, mb, FORWARD)
+            mailbox.wait_recv(1, mb, FORWARD)
+            mailbox.send(sbuf, 0, 0, mb, BACKWARD)
+    mailbox.drain()

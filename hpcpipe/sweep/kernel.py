@@ -181,6 +181,27 @@ def sweep_block(
         phi[c] += w @ psi
 
 
+def _rebalance(
+    xp: Any,
+    fix: tuple[Any, Any, Any],
+    inc: tuple[Any, Any, Any],
+    k: tuple[Any, Any, Any],
+    src: Any,
+    sig: Any,
+    zero: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """One fix-up round: the cell balance with the faces in `fix` set to 0; returns the cell
+    value and the three outgoing faces. Shared by both fix-ups so they agree bit for bit."""
+    den = sig
+    num = src
+    for f, a, c in zip(fix, inc, k, strict=True):
+        den = den + xp.where(f, zero, c)
+        num = num + xp.where(f, 0.5 * c, c) * a
+    cell = num / den
+    outs = tuple(xp.where(f, zero, 2.0 * cell - a) for f, a in zip(fix, inc, strict=True))
+    return cell, *outs
+
+
 def _fixup(
     xp: Any,
     psi: Any,
@@ -207,32 +228,17 @@ def _fixup(
         return
     p, a, g = xp.nonzero(neg)
     zero = xp.zeros(1, dtype=psi.dtype)
-    in_x, in_y, in_z = ax[p, a, g], ay[p, a, g], az[p, a, g]
-    kx, ky, kz = cx[a, 0], cy[a, 0], cz[a, 0]
+    inc = (ax[p, a, g], ay[p, a, g], az[p, a, g])
+    k = (cx[a, 0], cy[a, 0], cz[a, 0])
     src, sig = q[p, 0, g], st[p, 0, g]
-    out_x, out_y, out_z = ox[p, a, g], oy[p, a, g], oz[p, a, g]
-    fix_x = xp.zeros(p.shape, dtype=bool)
-    fix_y, fix_z = fix_x.copy(), fix_x.copy()
+    out = (ox[p, a, g], oy[p, a, g], oz[p, a, g])
+    fix = (xp.zeros(p.shape, dtype=bool),) * 3
     for _ in range(3):
-        fix_x |= out_x < 0
-        fix_y |= out_y < 0
-        fix_z |= out_z < 0
-        den = (
-            sig + xp.where(fix_x, zero, kx) + xp.where(fix_y, zero, ky) + xp.where(fix_z, zero, kz)
-        )
-        num = (
-            src
-            + xp.where(fix_x, 0.5 * kx, kx) * in_x
-            + xp.where(fix_y, 0.5 * ky, ky) * in_y
-            + xp.where(fix_z, 0.5 * kz, kz) * in_z
-        )
-        cell = num / den
-        out_x = xp.where(fix_x, zero, 2.0 * cell - in_x)
-        out_y = xp.where(fix_y, zero, 2.0 * cell - in_y)
-        out_z = xp.where(fix_z, zero, 2.0 * cell - in_z)
-        if not bool(((out_x < 0) | (out_y < 0) | (out_z < 0)).any()):
+        fix = tuple(f | (o < 0) for f, o in zip(fix, out, strict=True))
+        cell, *out = _rebalance(xp, fix, inc, k, src, sig, zero)
+        if not bool(((out[0] < 0) | (out[1] < 0) | (out[2] < 0)).any()):
             break
-    psi[p, a, g], ox[p, a, g], oy[p, a, g], oz[p, a, g] = cell, out_x, out_y, out_z
+    psi[p, a, g], ox[p, a, g], oy[p, a, g], oz[p, a, g] = cell, *out
 
 
 def _fixup_masked(
@@ -259,28 +265,15 @@ def _fixup_masked(
     """
     bad = (ox < 0) | (oy < 0) | (oz < 0)
     zero = xp.zeros(1, dtype=psi.dtype)
-    fix_x, fix_y, fix_z = ox < 0, oy < 0, oz < 0
-    out_x, out_y, out_z = ox, oy, oz
+    out = (ox, oy, oz)
+    fix = (ox < 0, oy < 0, oz < 0)
     cell = psi
     for _ in range(3):
-        fix_x |= out_x < 0
-        fix_y |= out_y < 0
-        fix_z |= out_z < 0
-        den = st + xp.where(fix_x, zero, cx) + xp.where(fix_y, zero, cy) + xp.where(fix_z, zero, cz)
-        num = (
-            q
-            + xp.where(fix_x, 0.5 * cx, cx) * ax
-            + xp.where(fix_y, 0.5 * cy, cy) * ay
-            + xp.where(fix_z, 0.5 * cz, cz) * az
-        )
-        cell = num / den
-        out_x = xp.where(fix_x, zero, 2.0 * cell - ax)
-        out_y = xp.where(fix_y, zero, 2.0 * cell - ay)
-        out_z = xp.where(fix_z, zero, 2.0 * cell - az)
+        fix = tuple(f | (o < 0) for f, o in zip(fix, out, strict=True))
+        cell, *out = _rebalance(xp, fix, (ax, ay, az), (cx, cy, cz), q, st, zero)
     psi[...] = xp.where(bad, cell, psi)
-    ox[...] = xp.where(bad, out_x, ox)
-    oy[...] = xp.where(bad, out_y, oy)
-    oz[...] = xp.where(bad, out_z, oz)
+    for face, new in zip((ox, oy, oz), out, strict=True):
+        face[...] = xp.where(bad, new, face)
 
 
 def sweep_domain(xp: Any, problem: Problem, q: Any, sigma_t: Any) -> tuple[Any, Any, Any]:
