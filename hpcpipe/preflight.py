@@ -111,20 +111,12 @@ def _check_train(config: Config, rankmap: RankMap, files: bool) -> None:
     """The Trainer's checks, in its order: schedule, batch split, MoE, model size, stage
     partition, data."""
     from hpcpipe.model.models import build_model, partition
-    from hpcpipe.schedules import ScheduleError, validate
-    from hpcpipe.schedules.report import load_schedule
+    from hpcpipe.schedules.report import runnable_schedule
     from hpcpipe.train.data import build_dataset
 
     source = config.source
-    pipeline = config.pipeline
     check_paths(config)
-    schedule = load_schedule(pipeline, rankmap.pp, source)
-    try:
-        validate(schedule)
-    except ScheduleError as exc:
-        raise ConfigError(
-            source, "pipeline.schedule", f"= {pipeline.schedule!r} cannot run: {exc}"
-        ) from None
+    schedule, _ = runnable_schedule(config.pipeline, rankmap.pp, source)
     m = schedule.num_microbatches
     rows = config.data.global_batch
     if rows % (rankmap.dp * m):

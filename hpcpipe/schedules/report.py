@@ -4,6 +4,9 @@ makespan vs peak-memory front of the schedule search next to every fixed schedul
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from hpcpipe.config import ConfigError
 from hpcpipe.schedules.config import PipelineConfig, cost_model, costs_for
 from hpcpipe.schedules.errors import ScheduleError
@@ -14,7 +17,7 @@ from hpcpipe.schedules.search import BudgetError, Found, fixed_points, pareto_fr
 from hpcpipe.schedules.simulate import SimResult, simulate
 from hpcpipe.schedules.validate import validate
 
-__all__ = ["load_schedule", "plan_report"]
+__all__ = ["load_schedule", "plan_report", "runnable_schedule"]
 
 _SOURCE = "[pipeline]"  # when the caller does not name the deck
 
@@ -50,6 +53,28 @@ def load_schedule(cfg: PipelineConfig, pp: int, source: str = _SOURCE) -> Schedu
             f"= {cfg.microbatches} but {cfg.schedule_csv} schedules {sched.num_microbatches}",
         )
     return sched
+
+
+def runnable_schedule(cfg: PipelineConfig, pp: int, source: str = _SOURCE) -> tuple[Schedule, Any]:
+    """The deck's schedule and its validated, lowered form (what the interpreter runs), or a
+    ConfigError naming `pipeline.schedule`. Generated schedules are cached: the preflight and
+    the trainer ask for the same one, and validating p=1024 schedules takes seconds."""
+    if cfg.schedule == "csv":  # a file can change between two calls: never cached
+        return _runnable(cfg, pp, source)
+    return _runnable_cached(cfg, pp, source)
+
+
+def _runnable(cfg: PipelineConfig, pp: int, source: str) -> tuple[Schedule, Any]:
+    schedule = load_schedule(cfg, pp, source)
+    try:
+        return schedule, validate(schedule)
+    except ScheduleError as exc:
+        raise ConfigError(
+            source, "pipeline.schedule", f"= {cfg.schedule!r} cannot run: {exc}"
+        ) from None
+
+
+_runnable_cached = functools.lru_cache(maxsize=4)(_runnable)
 
 
 def _searched(cfg: PipelineConfig, pp: int, source: str) -> Found:

@@ -38,18 +38,9 @@ TIMED_STEPS = 1000
 
 def _schedule(ctx: RunContext):
     """The deck's schedule and its validated, lowered form (the one the interpreter runs)."""
-    from hpcpipe.schedules import ScheduleError, validate
-    from hpcpipe.schedules.report import load_schedule
+    from hpcpipe.schedules.report import runnable_schedule
 
-    schedule = load_schedule(ctx.config.pipeline, ctx.rankmap.pp, ctx.config.source)
-    try:
-        return schedule, validate(schedule)
-    except ScheduleError as exc:
-        raise ConfigError(
-            ctx.config.source,
-            "pipeline.schedule",
-            f"= {ctx.config.pipeline.schedule!r} cannot run: {exc}",
-        ) from None
+    return runnable_schedule(ctx.config.pipeline, ctx.rankmap.pp, ctx.config.source)
 
 
 def _check_batch(ctx: RunContext, m: int) -> int:
