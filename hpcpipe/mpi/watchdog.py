@@ -43,7 +43,7 @@ class Watchdog:
         self.poll_s = poll_s if poll_s is not None else min(0.5, max(0.02, self.limit_s / 20))
         self._abort = abort or _mpi_abort
         self._armed: tuple[str, Where | None, float, float] | None = None
-        """(label, where, started, deadline) of the running phase, or None."""
+        """(label, where, started, limit) of the running phase, or None."""
         self._stop = threading.Event()
         self.fired: str | None = None
         self._thread: threading.Thread | None = None
@@ -71,10 +71,9 @@ class Watchdog:
         `limit_s` overrides the limit for this phase only."""
         if self._thread is None:
             return
-        started = time.monotonic()
-        deadline = started + (self.limit_s if limit_s is None else limit_s)
+        limit = self.limit_s if limit_s is None else float(limit_s)
         # one assignment: the thread never sees a label from one phase with another's clock
-        self._armed = (label, where, started, deadline)
+        self._armed = (label, where, time.monotonic(), limit)
 
     def disarm(self) -> None:
         self._armed = None
@@ -98,17 +97,21 @@ class Watchdog:
         reported = None
         while not self._stop.wait(self.poll_s):
             armed = self._armed  # one read: a consistent snapshot of the phase
-            if armed is not None and armed is not reported and time.monotonic() > armed[3]:
+            if (
+                armed is not None
+                and armed is not reported
+                and time.monotonic() - armed[2] > armed[3]
+            ):
                 reported = armed
                 self._fire(armed)
 
     def _fire(self, armed: tuple[str, Where | None, float, float]) -> None:
-        label, where_fn, started, deadline = armed
+        label, where_fn, started, limit = armed
         try:
             where = where_fn() if where_fn is not None else "(no detail)"
         except Exception as exc:  # the report must not die on a half-updated state
             where = f"(could not describe: {type(exc).__name__}: {exc})"
-        limit = deadline - started
+        # the limit is kept as given (a deadline minus its start is not always that number)
         over = f"{self.key} = {limit:g}" if limit == self.limit_s else f"its limit of {limit:g} s"
         self.fired = (
             f"{rank_prefix()} watchdog: {label} has run {time.monotonic() - started:.1f} s, "
