@@ -84,6 +84,10 @@ def save_figure(fig: Any, figure: str) -> Path:
 
 
 def save_json(name: str, payload: dict[str, Any]) -> Path:
+    """Write results/NAME.json, stamped with the commit and date it was measured on."""
+    from hpcpipe.bench.table import provenance
+
+    payload = {**payload, "measured": provenance()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,41 @@ def _load(name: str) -> tuple[Any, dict[str, Any]] | None:
     return read_report(path) if path.exists() else None
 
 
+def _stamp(data: dict[str, Any]) -> str:
+    """Which commit a result was measured on, and whether the code has moved on since."""
+    measured = data.get("measured") or {}
+    commit, date = measured.get("commit"), measured.get("date", "")
+    if not commit:
+        return "# measured on: an unrecorded commit (older than the code: rerun the benchmark)"
+    line = (
+        f"# measured on commit {commit[:10]}{' + local changes' if measured.get('dirty') else ''}"
+    )
+    line += f", {date[:10]}"
+    later = changes_since(commit)
+    if later is None:
+        return line + " (that commit is not in this history: rerun the benchmark)"
+    if later:
+        return (
+            line + f"; OLDER than the code: {later} later commit(s) change hpcpipe/ or benchmarks/"
+        )
+    return line + "; the code has not changed since"
+
+
+def changes_since(commit: str) -> int | None:
+    """Commits after `commit` that touch the code a figure describes (None: unknown commit)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-list", "--count", f"{commit}..HEAD", "--", "hpcpipe", "benchmarks"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(out.stdout) if out.returncode == 0 and out.stdout.strip().isdigit() else None
+
+
 def table_block(name: str) -> str:
     loaded = _load(name)
     if loaded is None:
@@ -42,6 +78,7 @@ def table_block(name: str) -> str:
             f"# load average (1/5/15 min) at start {' '.join(f'{x:.2f}' for x in load)}"
             + (f", at end {' '.join(f'{x:.2f}' for x in end)}" if end else "")
         )
+    lines.append(_stamp(data))
     return "```text\n" + "\n".join(lines) + "\n```\n"
 
 
@@ -58,130 +95,36 @@ def machine_block() -> str:
     return "(no results yet)\n"
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
-def _since(s: dict[str, Any]) -> str:
-    size = s.get("within_5pct_from_bytes")
-    return "" if size is None else f"; within 5% from {_size(size)} up"
-
-
-def _status(ok: bool | None) -> str:
-    return "-" if ok is None else ("met" if ok else "**missed**")
+SUMMARY = (
+    "p2p_latency",
+    "allreduce_buckets",
+    "moe_alltoall",
+    "pipeline_step",
+    "pipeline_synthetic",
+    "pipeline_synthetic_waits",
+    "plan_scale",
+    "trace_overhead",
+)
+"""Results whose targets the summary lists, in the page's order."""
 
 
 def summary_block() -> str:
-    rows: list[tuple[str, str, str]] = []
-
-    def summary(name: str) -> dict[str, Any]:
+    """Every target beside what was measured for it, and the commit it was measured on."""
+    out = ["| figure | target | wanted | got | measured on |", "|---|---|---|---|---|"]
+    for name in SUMMARY:
         loaded = _load(name)
-        return loaded[0].summary if loaded else {}
-
-    s = summary("p2p_latency")
-    v = s.get("max_ratio_ge_64KiB")
-    rows.append(
-        (
-            "p2p Mailbox / raw, >= 64 KiB: <= 1.05",
-            _fmt(v, ".3f") + " (worst size)" + _since(s),
-            _status(None if v is None else v <= 1.05),
-        )
-    )
-    v = s.get("max_extra_us_lt_64KiB")
-    rows.append(
-        (
-            "p2p Mailbox extra latency, < 64 KiB: <= 20 us",
-            _fmt(v, ".2f") + " us (worst)",
-            _status(None if v is None else v <= 20),
-        )
-    )
-    s = summary("allreduce_buckets")
-    v = s.get("max_ratio_ge_64KiB")
-    rows.append(
-        (
-            "bucketed / raw Allreduce, >= 64 KiB: <= 1.05",
-            _fmt(v, ".3f") + " (worst)" + _since(s),
-            _status(None if v is None else v <= 1.05),
-        )
-    )
-    s = summary("moe_alltoall")
-    v = s.get("max_flat_ratio_ge_64KiB")
-    rows.append(
-        (
-            "MoE flat exchange / raw Alltoallv, >= 64 KiB/peer: <= 1.05",
-            _fmt(v, ".3f") + " (worst)" + _since(s),
-            _status(None if v is None else v <= 1.05),
-        )
-    )
-    s = summary("pipeline_step")
-    v = s.get("max_ratio")
-    rows.append(
-        (
-            "pipeline measured / predicted (simulator, measured costs), 2 ranks: <= 1.10",
-            f"median {_fmt(s.get('median_ratio'), '.3f')}, worst {_fmt(v, '.3f')}",
-            _status(None if v is None else v <= 1.10),
-        )
-    )
-    v = s.get("max_runtime_ratio")
-    rows.append(
-        (
-            "pipeline, the same runs against the lowered message order: <= 1.10",
-            f"median {_fmt(s.get('median_runtime_ratio'), '.3f')}, worst {_fmt(v, '.3f')}",
-            _status(None if v is None else v <= 1.10),
-        )
-    )
-    for name, label in (
-        ("pipeline_synthetic", "synthetic costs, 8 ranks: within 3% of the plan"),
-        ("pipeline_synthetic_waits", "synthetic, receives waited for at their consumer: within 3%"),
-    ):
-        s = summary(name)
-        v = s.get("max_plan_ratio")
-        rows.append(
-            (
-                label,
-                f"median {_fmt(s.get('median_plan_ratio'), '.3f')}, worst {_fmt(v, '.3f')}",
-                _status(None if v is None else v <= 1.03),
-            )
-        )
-    v = summary("trace_overhead").get("max_estimate_pct")
-    rows.append(
-        (
-            "trace recording overhead: <= 2%",
-            _fmt(v, ".3f") + "% (worst model)",
-            _status(None if v is None else v <= 2),
-        )
-    )
-    s = summary("ckpt_bandwidth")
-    rows.append(
-        (
-            "checkpoint / raw disk bandwidth (no target)",
-            f"write {_fmt(s.get('write_vs_raw'), '.2f')}, read {_fmt(s.get('read_vs_raw'), '.2f')}",
-            "-",
-        )
-    )
-    loaded = _load("memory_peak")
-    if loaded:
-        exact = all(
-            abs(r["act_mib"] - r["act_model_mib"]) < 1e-9 and r["act_mb"] == r["act_model_mb"]
-            for r in loaded[0].rows
-            if "act_mib" in r
-        )
-        rows.append(
-            (
-                "peak activations per rank = the simulator's memory model",
-                "equal on every schedule and rank" if exact else "differ (see table)",
-                _status(exact),
-            )
-        )
-    out = ["| target | measured | |", "|---|---|---|"]
-    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+        if loaded is None:
+            out.append(f"| {name} | (no results yet) | | | |")
+            continue
+        report, data = loaded
+        commit = (data.get("measured") or {}).get("commit")
+        when = commit[:10] if commit else "unrecorded"
+        later = changes_since(commit) if commit else None
+        if commit and later:
+            when += f" (older than the code by {later} commit(s))"
+        for t in report.targets:
+            got = f"{t.got} ({t.detail})" if t.detail else t.got
+            out.append(f"| {name} | {t.what} | {t.want} | {got} | {when} |")
     return "\n".join(out) + "\n"
 
 

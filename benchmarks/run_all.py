@@ -25,6 +25,7 @@ FIGURES = (
     "sweep_grind",
     "ckpt_bandwidth",
     "trace_overhead",
+    "plan_scale",
 )
 
 

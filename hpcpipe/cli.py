@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from hpcpipe import __version__
 from hpcpipe.config import Config, ConfigError, dump_toml, load_config
 from hpcpipe.mpi.guard import EXIT_BAD_INPUT, abort_on_error, launcher_rank
+from hpcpipe.topology import RankMap
 
 __all__ = ["main", "register_command"]
 
@@ -103,7 +104,8 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
         "--world",
         type=int,
         default=None,
-        help="world size to plan for (default: pp * dp from the deck)",
+        help="world size to plan for (default: pp * dp, or px * py for a sweep; with "
+        "topology.dp = 0, the smallest world that fits, said so)",
     )
     p.add_argument(
         "--ranks-per-node",
@@ -112,7 +114,12 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
         help="ranks per node (default: topology.ranks_per_node, else 8)",
     )
     p.add_argument("--rows", type=int, default=16, help="ranks listed in the layout table")
-    p.add_argument("--png", default=None, help="write the pipeline schedule timeline to this PNG")
+    p.add_argument(
+        "--png",
+        default=None,
+        help="write a picture of the plan to this PNG (the schedule timeline; for a sweep "
+        "the KBA stage chart and wavefront)",
+    )
     p.add_argument(
         "--compare",
         action="store_true",
@@ -132,42 +139,32 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _execute_plan(args: argparse.Namespace) -> int:
-    from hpcpipe.topology import RankMap, TopologyError
+    from hpcpipe.preflight import check_paths, planning_world
 
     config = _load(args)
-    from hpcpipe.preflight import check_paths
-
     check_paths(config)  # a FIFO as schedule_csv would block the read below forever
-    topo = config.topology
-    world = args.world
-    if world is None:
-        if topo.dp == 0:
-            raise ConfigError(
-                config.source, "topology.dp", "= 0 (the rest of the world): pass --world N to plan"
-            )
-        world = topo.pp * topo.dp
-    if world < 1:
-        raise ConfigError("--world", "", f"must be >= 1, got {world}")
-    rpn = args.ranks_per_node or topo.ranks_per_node or 8
-    if rpn < 1:
-        raise ConfigError("--ranks-per-node", "", f"must be >= 1, got {rpn}")
-    try:
-        rankmap = RankMap.build(world, rpn, pp=topo.pp, dp=topo.dp, ep=topo.ep, order=topo.order)
-    except TopologyError as exc:
-        raise ConfigError(
-            config.source,
-            f"topology.{exc.dim}" if exc.dim else "topology",
-            f"{exc.detail} (planning for --world {world}; --set topology.dp=0 "
-            "gives dp the rest of the world)",
-        ) from None
+    for flag, value in (("--png", args.png), ("--pareto-png", args.pareto_png)):
+        if value:  # before any work: a missing matplotlib is bad input, said once
+            from hpcpipe.plotting import require_matplotlib
+
+            require_matplotlib("plan", flag)
+    world, note = planning_world(config, args.world)
+    if note:
+        print(f"note: {note}\n")
     if args.show_config:
         print(dump_toml(config))
-    print(rankmap.describe(max_rows=args.rows))
-    for problem in rankmap.check_intra_node(topo.intra_node):
-        print(f"WARNING: {problem}")
     if config.run.workload == "sweep":
-        print()
-        print(_sweep_plan(config, world))
+        for flag, used in (("--compare", args.compare), ("--pareto", args.pareto)):
+            if used or (flag == "--pareto" and args.pareto_png):
+                raise ConfigError(
+                    flag, "", "compares pipeline schedules; a sweep deck has none (drop the flag)"
+                )
+        print(_sweep_plan(config, world, args.png))
+        return 0
+    rankmap = _plan_rankmap(config, world, args.ranks_per_node)
+    print(rankmap.describe(max_rows=args.rows))
+    for problem in rankmap.check_intra_node(config.topology.intra_node):
+        print(f"WARNING: {problem}")
     pipeline = config.sections.get("pipeline")
     pareto = args.pareto or args.pareto_png is not None  # schedule search (issue 14)
     if pipeline is not None and (
@@ -190,18 +187,38 @@ def _execute_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep_plan(config: Config, world: int) -> str:
-    """The KBA decomposition and its predicted stage count and efficiency (no MPI)."""
+def _plan_rankmap(config: Config, world: int, ranks_per_node: int | None) -> RankMap:
+    from hpcpipe.topology import RankMap, TopologyError
+
+    topo = config.topology
+    rpn = ranks_per_node or topo.ranks_per_node or 8
+    if rpn < 1:
+        raise ConfigError("--ranks-per-node", "", f"must be >= 1, got {rpn}")
+    try:
+        return RankMap.build(world, rpn, pp=topo.pp, dp=topo.dp, ep=topo.ep, order=topo.order)
+    except TopologyError as exc:
+        raise ConfigError(
+            config.source,
+            f"topology.{exc.dim}" if exc.dim else "topology",
+            f"{exc.detail} (planning for --world {world}; --set topology.dp=0 "
+            "gives dp the rest of the world)",
+        ) from None
+
+
+def _sweep_plan(config: Config, world: int, png: str | None) -> str:
+    """The KBA decomposition, its predicted stages and efficiency, the wavefront over the
+    rank grid and a stage chart (no MPI); `png` also draws them."""
     from hpcpipe.sweep.mesh import build_problem
     from hpcpipe.sweep.plan import PlanError, plan_for, simulate
+    from hpcpipe.sweep.plan_view import plan_text, plot_plan
 
     cfg = config.sweep
     if cfg.px * cfg.py != world:
         raise ConfigError(
             config.source,
             "sweep.px",
-            f"* sweep.py = {cfg.px} * {cfg.py} = {cfg.px * cfg.py} ranks, but the "
-            f"world has {world}; use mpiexec -n {cfg.px * cfg.py} or change them",
+            f"* sweep.py = {cfg.px} * {cfg.py} = {cfg.px * cfg.py} ranks, but --world is "
+            f"{world}; drop --world (a sweep's world is px * py) or change sweep.px / sweep.py",
         )
     problem = build_problem(cfg)
     try:
@@ -209,14 +226,10 @@ def _sweep_plan(config: Config, world: int) -> str:
         sim = simulate(plan)
     except PlanError as exc:
         raise ConfigError(config.source, "sweep", str(exc)) from None
-    return "\n".join(
-        [
-            plan.describe(),
-            f"predicted: {sim.stages} stages, parallel efficiency {sim.efficiency:.3f}",
-            "",
-            sim.grid(),
-        ]
-    )
+    text = plan_text(plan, sim, octant_order=cfg.octant_order)
+    if png:
+        text += f"\nplan picture written to {plot_plan(sim, png)}"
+    return text
 
 
 register_command("plan", "show the rank layout and pipeline schedule for a deck (no MPI)")(

@@ -30,6 +30,7 @@ __all__ = [
     "check_output",
     "check_paths",
     "check_slurm",
+    "planning_world",
     "prepare_output",
     "slurm_layout",
 ]
@@ -59,6 +60,30 @@ def check_deck(config: Config, world: int, ranks_per_node: int, *, files: bool =
     if check is not None:
         check(config, rankmap, files)
     return rankmap
+
+
+def planning_world(config: Config, world: int | None) -> tuple[int, str | None]:
+    """The world size to plan `config` for without MPI, and a note when it was chosen here.
+
+    `world` (from --world) wins; else the deck fixes it (pp * dp, or px * py for a sweep);
+    else (topology.dp = 0, the rest of the world) the smallest world that fits, pp * ep,
+    with a note saying so, rather than an error for a deck that runs on any multiple of it.
+    """
+    if world is not None:
+        if world < 1:
+            raise ConfigError("--world", "", f"must be >= 1, got {world}")
+        return world, None
+    if config.run.workload == "sweep":
+        return config.sweep.px * config.sweep.py, None
+    topo = config.topology
+    if topo.dp:
+        return topo.pp * topo.dp, None
+    n = topo.pp * topo.ep
+    return n, (
+        f"topology.dp = 0 gives data parallelism the rest of the world, so the deck runs on any "
+        f"multiple of pp * ep = {topo.pp} * {topo.ep}; planning for world {n}, the smallest "
+        "(pass --world N for another)"
+    )
 
 
 def check_paths(config: Config) -> None:
@@ -228,6 +253,10 @@ def _check_sweep(config: Config, rankmap: RankMap, files: bool) -> None:
     from hpcpipe.sweep.plan import PlanError, plan_for, validate
 
     cfg, source = config.sweep, config.source
+    if cfg.plot:  # found now, not after the whole sweep has run
+        from hpcpipe.plotting import require_matplotlib
+
+        require_matplotlib(source, "sweep.plot")
     if cfg.px * cfg.py != rankmap.world:
         raise ConfigError(
             source,

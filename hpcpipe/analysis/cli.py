@@ -121,18 +121,14 @@ def _execute(args: argparse.Namespace) -> int:
             n = write_chrome(trace, out, args.step)
             print(f"wrote {out}: {n} trace events (open in ui.perfetto.dev or chrome://tracing)")
         elif action == "plot":
+            from hpcpipe.plotting import require_matplotlib
+
+            require_matplotlib("trace plot", "--png")
             trace = _load(args.trace)
             out = _output(args.png, "--png")
-            try:
-                from hpcpipe.analysis.plots import plot_timeline
+            from hpcpipe.analysis.plots import plot_timeline
 
-                plot_timeline(trace, out, step=args.step, arrows=args.arrows, title=args.title)
-            except ModuleNotFoundError as exc:
-                if exc.name != "matplotlib":
-                    raise
-                raise ConfigError(
-                    "plot", "", "needs matplotlib: pip install 'hpcpipe[plot]'"
-                ) from None
+            plot_timeline(trace, out, step=args.step, arrows=args.arrows, title=args.title)
             print(f"wrote {out}")
         elif action == "table":
             import json

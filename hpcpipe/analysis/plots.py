@@ -4,7 +4,8 @@ Rows are ranks (rank 0 on top); F, B, W and BW boxes carry their microbatch numb
 papers' colours; a rank's later stage (V-shape, interleaved chunks) is hatched. Receive waits,
 sends and collectives are thin bars under the row; optional arrows join each send to its
 receive. The right panel shows each rank's compute / communication / idle share of the step.
-matplotlib is imported here only, so the rest of the analysis works without it.
+matplotlib is imported here only (through hpcpipe.plotting), so the rest of the analysis works
+without it.
 """
 
 from __future__ import annotations
@@ -54,10 +55,9 @@ def plot_timeline(
     title: str | None = None,
 ) -> Path:
     """Draw `step` (default: the last recorded) of `trace` into `png`; returns the path."""
-    import matplotlib
+    from hpcpipe.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("trace plot", "--png")
     from matplotlib.patches import Patch
 
     if not trace.steps:

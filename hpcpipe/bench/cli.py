@@ -227,7 +227,9 @@ def _execute(args: argparse.Namespace) -> int:
         report = bench.runner()(comm, args)
         comm.Barrier()
         if comm.rank == 0:
-            if not report.stream:
+            if report.stream:
+                report.finish()
+            else:
                 print(report.render(), flush=True)
             if args.json:
                 info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -192,6 +192,13 @@ def _summarize(report: Report, skipped: dict[str, str]) -> None:
     }
     report.note(
         f"measured / replay over schedules: median {np.median(ratios):.3f}, max "
-        f"{ratios.max():.3f} (target <= 1.10: {'met' if ratios.max() <= 1.10 else 'MISSED'}); "
+        f"{ratios.max():.3f}; "
         f"measured / in-order: median {np.median(runtime):.3f}, max {runtime.max():.3f}"
+    )
+    report.target(
+        "measured / replay (worst schedule)",
+        "<= 1.10",
+        f"{ratios.max():.3f}",
+        ratios.max() <= 1.10,
+        f"median {np.median(ratios):.3f}",
     )

@@ -296,8 +296,15 @@ def _summarize(report: Report, ranks: int) -> None:
         "median_plan_in_order_ratio": float(np.median(in_order)),
     }
     report.note(
-        f"{ranks} ranks: measured / plan median {np.median(plan):.3f}, max {plan.max():.3f} "
-        f"(target <= 1.03: {'met' if plan.max() <= 1.03 else 'MISSED'}); measured / plan "
+        f"{ranks} ranks: measured / plan median {np.median(plan):.3f}, max {plan.max():.3f}; "
+        "measured / plan "
         f"in message order median {np.median(in_order):.3f}, max {in_order.max():.3f}; "
         f"measured / replay max {replay.max():.3f}"
+    )
+    report.target(
+        f"measured / plan, {ranks} ranks (worst schedule)",
+        "<= 1.03",
+        f"{plan.max():.3f}",
+        plan.max() <= 1.03,
+        f"median {np.median(plan):.3f}",
     )

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Column", "Report", "clean", "read_report"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "Column",
+    "Report",
+    "Target",
+    "clean",
+    "provenance",
+    "read_report",
+]
 
 FORMAT_NAME = "hpcpipe-bench"
 FORMAT_VERSION = 1
@@ -57,6 +66,42 @@ def clean(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class Target:
+    """A figure the project aims at, beside what was measured: shown as a column, not a verdict
+    line, because one noisy run on a shared machine is evidence, not a judgement."""
+
+    what: str
+    want: str
+    """e.g. "<= 1.05"."""
+    got: str
+    met: bool
+    detail: str = ""
+
+
+def provenance(root: str | Path | None = None) -> dict[str, Any]:
+    """The git commit (and whether the tree had local changes) and the UTC date a result was
+    measured on, so a report can say when a figure is older than the code it describes."""
+    import datetime
+    import subprocess
+
+    here = Path(root) if root is not None else Path(__file__).resolve().parent
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", *args], cwd=here, capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "hpcpipe")
+    return {"commit": commit, "dirty": bool(dirty) if commit else None, "date": date}
+
+
 @dataclass
 class Report:
     """A benchmark's table plus what it was run with; `stream` prints lines as they come."""
@@ -68,6 +113,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
     stream: bool = False
 
     def header(self) -> str:
@@ -94,12 +140,36 @@ class Report:
         if self.stream:
             print(f"# {text}", flush=True)
 
+    def target(self, what: str, want: str, got: str, met: bool, detail: str = "") -> None:
+        """Record a target beside the figure measured for it (printed by `render_targets`)."""
+        self.targets.append(Target(what, want, got, bool(met), detail))
+
+    def render_targets(self) -> list[str]:
+        """The targets as a small table of comment lines: what, target, measured."""
+        if not self.targets:
+            return []
+        w = max(len("target"), *(len(t.what) for t in self.targets))
+        v = max(len("wanted"), *(len(t.want) for t in self.targets))
+        g = max(len("got"), *(len(t.got) for t in self.targets))
+        out = [f"# {'target':<{w}}  {'wanted':<{v}}  got"]
+        for t in self.targets:
+            line = f"# {t.what:<{w}}  {t.want:<{v}}  {t.got:<{g}}"
+            out.append((f"{line}  {t.detail}" if t.detail else line).rstrip())
+        return out
+
+    def finish(self) -> None:
+        """Print the targets table now (streaming mode)."""
+        if self.stream:
+            for line in self.render_targets():
+                print(line, flush=True)
+
     def render(self) -> str:
         """The whole table as printed."""
         lines = [f"# {t}" for t in self.title]
         lines.append(self.header())
         lines += [self.line(r) for r in self.rows]
         lines += [f"# {t}" for t in self.notes]
+        lines += self.render_targets()
         return "\n".join(lines)
 
     def to_json(self, **extra: Any) -> dict[str, Any]:
@@ -115,10 +185,13 @@ class Report:
                 "rows": self.rows,
                 "notes": self.notes,
                 "summary": self.summary,
+                "targets": [t.__dict__ for t in self.targets],
             }
         )
 
     def write(self, path: str | Path, **extra: Any) -> Path:
+        """The JSON form, stamped with the commit and date it was measured on."""
+        extra.setdefault("measured", provenance())
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.to_json(**extra), indent=1, allow_nan=False)
@@ -140,6 +213,7 @@ class Report:
             list(data["notes"]),
             dict(data["params"]),
             dict(data["summary"]),
+            [Target(**t) for t in data.get("targets", [])],
         )
 
 

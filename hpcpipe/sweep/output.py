@@ -122,10 +122,9 @@ def _xdmf_attribute(name: str, ref: str, dims: str, number: str, precision: int)
 
 def write_slice_png(path: Path, problem: Problem, phi: np.ndarray, group: int = 0) -> None:
     """Mid-height z slice of one group's scalar flux, log colour scale when it spans decades."""
-    import matplotlib
+    from hpcpipe.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("sweep", "sweep.plot")
     from matplotlib.colors import LogNorm
 
     mesh = problem.mesh

@@ -237,23 +237,6 @@ class Simulation:
         busy = self.task_time * self.end.size
         return busy / (self.plan.ranks * self.makespan)
 
-    def grid(self, max_stages: int = 48) -> str:
-        """Rank x stage chart (unit task times): each cell names the task running then."""
-        stages = min(self.stages, max_stages)
-        width = max(len(str(t)) for t in self.plan.tasks[0]) + 1
-        head = "rank  " + "".join(f"{s:<{width}}" for s in range(stages))
-        rows = [head]
-        for r, tasks in enumerate(self.plan.tasks):
-            cells = ["." * (width - 1)] * stages
-            for t, task in enumerate(tasks):
-                s = round(self.start[r, t] / self.task_time)
-                if s < stages:
-                    cells[s] = str(task)
-            rows.append(f"{r:<6}" + "".join(f"{c:<{width}}" for c in cells))
-        if self.stages > stages:
-            rows.append(f"... {self.stages - stages} more stages")
-        return "\n".join(rows)
-
 
 def simulate(plan: SweepPlan, task_time: float = 1.0, message_time: float = 0.0) -> Simulation:
     """Run the plan on a model machine: a task starts when the rank's previous task and the

@@ -15,6 +15,7 @@ from hpcpipe.sweep.plan import (
     simulate,
     validate,
 )
+from hpcpipe.sweep.plan_view import plan_text, stage_chart, wavefront
 from hpcpipe.sweep.quadrature import OCTANTS
 
 
@@ -113,15 +114,27 @@ def test_message_time_lowers_predicted_efficiency():
     assert slow.efficiency < free.efficiency <= 1.0
 
 
-def test_describe_and_grid_are_readable():
+def test_describe_and_stage_chart_are_readable():
     plan = _plan(2, 2, 2, 1)
     text = plan.describe()
     assert "2 x 2 ranks" in text and "M = 2" in text and "octant order" in text
-    grid = simulate(plan).grid()
-    lines = grid.splitlines()
-    assert lines[0].startswith("rank") and len(lines) == 1 + 4
-    assert lines[1].split()[1] == "o0a0z0"  # rank 0 starts at once
-    assert lines[4].split()[1] == "......"  # the far corner waits for the wavefront
+    sim = simulate(plan)
+    chart = stage_chart(sim).splitlines()
+    assert chart[1].split()[:2] == ["rank", "0"] and len(chart) == 2 + 4
+    rows = [line.split()[1] for line in chart[2:]]
+    assert rows[0].startswith("00")  # rank 0 starts at once
+    assert rows[3].startswith("..0")  # the far corner waits for the wavefront
+    assert all(len(r) == sim.stages for r in rows)
+    assert wavefront(sim).tolist() == [[0, 1], [1, 2]]
+    squeezed = stage_chart(sim, max_width=5).splitlines()
+    assert "one column = " in squeezed[0] and all(len(r.split()[1]) <= 5 for r in squeezed[2:])
+
+
+def test_plan_text_names_the_closed_form_and_efficiency():
+    plan = _plan(4, 2, 2, 1)
+    text = plan_text(plan, simulate(plan), octant_order="auto")
+    assert "closed form" in text and "parallel efficiency" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
 
 
 @pytest.mark.parametrize(
