@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from hpcpipe import __version__
 from hpcpipe.config import Config, ConfigError, dump_toml, load_config
-from hpcpipe.mpi.guard import EXIT_BAD_INPUT, abort_on_error, launcher_rank
-from hpcpipe.topology import RankMap
+from hpcpipe.mpi.guard import EXIT_BAD_INPUT, abort_on_error, launcher_rank, under_launcher
+
+if TYPE_CHECKING:  # NumPy must not load before `run` blocks the stop signals (its BLAS
+    from hpcpipe.topology import RankMap  # threads would inherit an unblocked mask)
 
 __all__ = ["main", "register_command"]
 
@@ -66,6 +69,14 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the resolved deck and the rank layout, then exit",
     )
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --dry-run: check the deck for N ranks without starting MPI (default "
+        "outside a launcher: the world the deck implies, as `hpcpipe plan` picks it)",
+    )
     p.add_argument("--verbose", action="store_true", help="let every rank log, not just rank 0")
     p.add_argument(
         "--resume",
@@ -82,12 +93,35 @@ def _execute_run(args: argparse.Namespace) -> int:
 
     catch_early_stop()  # a time-limit signal during start-up must not kill the rank
     config = _load(args)  # before MPI starts: every rank reads the same deck
+    if args.world is not None and not args.dry_run:
+        raise ConfigError(
+            "--world", "", "is for --dry-run: a real run's world is what the launcher started"
+        )
+    if args.dry_run and (args.world is not None or not under_launcher()):
+        return _dry_run(config, args.world)
     from hpcpipe.runtime import run_job
 
     return abort_on_error(
         lambda: run_job(config, dry_run=args.dry_run, verbose=args.verbose, resume=args.resume),
         bad_input=(ConfigError,),
     )
+
+
+def _dry_run(config: Config, world: int | None) -> int:
+    """`run --dry-run` outside a launcher (or with --world): every deck and workload check a
+    job makes before communicating, for a world given or implied, without starting MPI."""
+    from hpcpipe.preflight import check_deck, planning_world
+
+    n, note = planning_world(config, world)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    rpn = config.topology.ranks_per_node or min(n, 8)
+    rankmap = check_deck(config, n, rpn, files=True)
+    print(dump_toml(config), end="")
+    print(rankmap.describe())
+    if not config.topology.ranks_per_node:
+        print(f"(nodes: {rpn} rank(s) per node assumed; a launched job discovers them)")
+    return 0
 
 
 register_command(

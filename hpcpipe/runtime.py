@@ -60,11 +60,12 @@ class RunContext:
         return self.backend.xp
 
     def log(self, message: str) -> None:
-        """Progress on rank 0 only (others too with --verbose, prefixed by their rank)."""
-        if self.rank == 0:
-            print(message, flush=True)
-        elif self.verbose:
+        """Progress on rank 0 only; with --verbose every rank, each line prefixed by its rank
+        (rank 0 included, so interleaved lines can always be told apart)."""
+        if self.verbose:
             print(f"[rank {self.rank}] {message}", flush=True)
+        elif self.rank == 0:
+            print(message, flush=True)
 
     def log_all(self, message: str) -> None:
         print(f"[rank {self.rank}] {message}", flush=True)

@@ -27,7 +27,10 @@ class TraceConfig:
     )
     path: str = option("", "trace file; empty = <run.output>/trace.h5")
     steps: tuple[int, ...] = option(
-        (), "steps to record (0-based, e.g. [2, 3]); empty = every step", minimum=0
+        (),
+        "steps (sweep iterations) to record, numbered from 1 as the log numbers them, e.g. "
+        "[2, 3]; empty = every step",
+        minimum=1,
     )
 
     def resolve_path(self, output: str | Path) -> Path:

@@ -42,6 +42,11 @@ def _launcher_rank() -> int | None:
     return None
 
 
+def under_launcher() -> bool:
+    """Whether an MPI launcher (mpiexec, srun) started this process."""
+    return _launcher_rank() is not None
+
+
 def launcher_rank() -> int:
     """This process's world rank as the launcher set it (0 when not under a launcher)."""
     rank = _launcher_rank()

@@ -225,7 +225,7 @@ class _Control:
     def begin(self, iteration: int) -> None:
         self.watchdog.arm(f"sweep iteration {iteration}", self.where)
         maybe_fail(f"sweep-iteration:{iteration}", self.comm.rank)
-        self.rec.begin_step(iteration - 1)  # trace steps are 0-based, like [trace] steps
+        self.rec.begin_step(iteration)  # numbered from 1, like the log's "iter N"
         self._t0 = self.rec.now()
 
     def stop_requested(self) -> bool:

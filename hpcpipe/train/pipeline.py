@@ -137,7 +137,7 @@ class PipelineRank:
         next_recv = 0
         rec, now = self.rec, self.rec.now
         t_step = now()
-        self._step_no = step
+        self._step_no = step + 1  # reports number steps from 1, like the log
         for pos, action in enumerate(self.actions):
             self._pos = pos
             # keep receives posted ahead, so senders never wait for this rank to catch up
@@ -152,7 +152,7 @@ class PipelineRank:
             try:
                 self._run_action(action, step)
             except Exception as exc:
-                raise ActionError(self._where(step, pos, exc)) from exc
+                raise ActionError(self._where(step + 1, pos, exc)) from exc
             t1 = now()
             if rec.enabled:
                 rec.record(
@@ -278,7 +278,7 @@ class PipelineRank:
         stage = self.stages[s]
         inputs, targets, _ = self._batch
         x = inputs[mb] if stage.is_first else self._inputs.pop((s, mb))
-        maybe_fail(f"forward:{step}", self.world_rank)
+        maybe_fail(f"forward:{step + 1}", self.world_rank)
         y, ctx = stage.forward(
             self.params[s], x, targets[mb] if stage.is_last else None, loss_weight=self._batch[2]
         )

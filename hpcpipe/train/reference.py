@@ -112,7 +112,7 @@ def train_reference(
         sq = grad_sq_norm(grads)
         if not (math.isfinite(sq) and math.isfinite(loss)):
             raise FloatingPointError(
-                f"step {step}: loss = {loss}, gradient norm^2 = {sq} (not finite); "
+                f"step {step + 1}: loss = {loss}, gradient norm^2 = {sq} (not finite); "
                 "lower optim.lr or enable optim.grad_clip"
             )
         if step in record_grads:

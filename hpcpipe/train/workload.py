@@ -90,7 +90,7 @@ def run(ctx: RunContext) -> None:
     state, last, done = "finished", None, start
     try:
         for step in range(start, steps):
-            with ctx.watchdog.phase(f"step {step}", trainer.runner.where):
+            with ctx.watchdog.phase(f"step {step + 1}", trainer.runner.where):
                 stopping = trainer.step(step, stop)
             done = step + 1
             if stopping:
@@ -202,8 +202,8 @@ class Trainer:
         ctx, cfg, rec, m, rows = self.ctx, self.cfg, self.rec, self.m, self.rows_mb
         steps = cfg.run.steps
         t0 = time.perf_counter()
-        maybe_fail(f"step:{step}", ctx.rank)
-        rec.begin_step(step)
+        maybe_fail(f"step:{step + 1}", ctx.rank)
+        rec.begin_step(step + 1)  # steps are numbered from 1 in logs, traces and metrics
         t_step = rec.now()
         inputs = targets = None
         if self.needs_data:
@@ -400,7 +400,7 @@ def _report_non_finite(
     everyone = ctx.comms.world.allgather((coords["pp"], bad))
     stages = sorted({s for _, ss in everyone for s in ss})
     raise FloatingPointError(
-        f"step {step}: loss = {loss}, gradient norm^2 = {sq_norm} (not finite); non-finite "
+        f"step {step + 1}: loss = {loss}, gradient norm^2 = {sq_norm} (not finite); non-finite "
         f"gradients on stage(s) {stages or 'none (loss only)'}; lower optim.lr or set "
         "optim.grad_clip"
     )

@@ -133,7 +133,7 @@ def test_time_limit_signal_checkpoints_and_exits_zero(mpirun, tmp_path, full_run
     r = mpirun(
         4,
         ["run", DECK, *sets(f"run.output={tmp_path}", "run.steps=6", "train.save_params=true")],
-        env={"HPCPIPE_INJECT_FAULT": "rank=2,at=step:2,kind=usr1"},
+        env={"HPCPIPE_INJECT_FAULT": "rank=2,at=step:3,kind=usr1"},
         timeout=180,
     )
     assert r.returncode == 0, r.output

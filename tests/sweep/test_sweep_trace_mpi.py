@@ -51,7 +51,7 @@ def test_one_block_event_per_planned_task_in_plan_order(traced):
     _, trace, plan, dphi = traced
     iterations = dphi.size
     assert iterations > 2 and trace.num_ranks == 4
-    assert trace.steps == tuple(range(iterations))  # trace steps are 0-based iterations
+    assert trace.steps == tuple(range(1, iterations + 1))  # trace step = iteration, from 1
     assert trace.attrs["workload"] == "sweep" and trace.attrs["sweep_z_blocks"] == plan.z_blocks
     for rank in range(4):
         planned = [(t.octant, t.angle_block * plan.z_blocks + t.z_block) for t in plan.tasks[rank]]
@@ -62,7 +62,7 @@ def test_one_block_event_per_planned_task_in_plan_order(traced):
             got = list(zip(blocks["stage"].tolist(), blocks["microbatch"].tolist(), strict=True))
             assert got == planned, (rank, step)
             iteration = ev[ev["kind"] == K.STEP]
-            assert iteration.size == 1 and iteration["value"][0] == dphi[step]
+            assert iteration.size == 1 and iteration["value"][0] == dphi[step - 1]
 
 
 def test_every_face_send_matches_a_receive(traced):
@@ -88,7 +88,7 @@ def test_checkpoints_and_reductions_are_recorded(traced):
     _, trace, _, dphi = traced
     tab = trace.table
     steps = sorted(set(tab["step"][tab["kind"] == K.CHECKPOINT].tolist()))
-    expected = sorted({s for s in range(dphi.size) if (s + 1) % 4 == 0} | {dphi.size - 1})
+    expected = sorted({s for s in range(1, dphi.size + 1) if s % 4 == 0} | {dphi.size})
     assert steps == expected
     reductions = Counter(tab["rank"][tab["kind"] == K.ALLREDUCE].tolist())
     assert set(reductions.values()) == {dphi.size + 2}  # one allmax per iteration, 2 sums
@@ -99,7 +99,7 @@ def test_trace_tools_read_a_sweep_trace(traced):
     path = str(out / "trace.h5")
     s = run_cli(["trace", "summary", path])
     assert s.returncode == 0, s.output
-    assert f"4 ranks, step(s) 0..{dphi.size - 1} ({dphi.size} recorded)" in s.stdout
+    assert f"4 ranks, step(s) 1..{dphi.size} ({dphi.size} recorded)" in s.stdout
     matched = len(match_messages(trace))
     assert f"messages: {matched} matched, 0 unmatched sends, 0 unmatched receives" in s.stdout
     e = run_cli(["trace", "export", path, "--chrome", str(out / "t.json")])
