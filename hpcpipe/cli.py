@@ -89,9 +89,6 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
 
 
 def _execute_run(args: argparse.Namespace) -> int:
-    from hpcpipe.jobcontrol import catch_early_stop
-
-    catch_early_stop()  # a time-limit signal during start-up must not kill the rank
     config = _load(args)  # before MPI starts: every rank reads the same deck
     if args.world is not None and not args.dry_run:
         raise ConfigError(
@@ -331,6 +328,13 @@ def _limit_blas_threads() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["run"]:
+        # first of all: stop signals blocked before any thread (BLAS, MPI) exists, so a
+        # time-limit warning or Ctrl-C during start-up is kept for the run, never lost
+        from hpcpipe.signals import catch_stop_signals
+
+        catch_stop_signals()
     _limit_blas_threads()
     args = build_parser().parse_args(argv)
     try:

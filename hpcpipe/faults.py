@@ -1,7 +1,8 @@
 """Deliberate faults for testing that failures end the whole job (never a hang).
 
 Set `HPCPIPE_INJECT_FAULT="rank=3,at=topology,kind=raise"` (kind: raise, exit, kill, hang, or
-usr1/term, which send the process the scheduler's time-limit warning or termination signal; `at`
+usr1/term/int, which send the process the scheduler's time-limit warning, its termination
+signal or a Ctrl-C; `at`
 names an injection point such as `topology`, `step:5`, `forward:5`, `backward:5`, `allreduce`,
 `alltoall`, `checkpoint`, `checkpoint-commit` or `sweep-iteration:2`, the start of a sweep's
 second source iteration); `hit=N` fires on the N-th time the rank reaches the point (default 1),
@@ -17,6 +18,7 @@ import time
 
 __all__ = ["InjectedFault", "maybe_fail"]
 
+_SIGNALS = {"usr1": signal.SIGUSR1, "term": signal.SIGTERM, "int": signal.SIGINT}
 _SPEC: dict[str, str] | None = None
 _HITS = [0]
 
@@ -54,12 +56,12 @@ def maybe_fail(point: str, rank: int | None = None) -> None:
         os._exit(3)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if kind in ("usr1", "term"):
-        os.kill(os.getpid(), signal.SIGUSR1 if kind == "usr1" else signal.SIGTERM)
+    if kind in _SIGNALS:
+        os.kill(os.getpid(), _SIGNALS[kind])
         return
     if kind == "hang":
         while True:
             time.sleep(1)
     raise ValueError(
-        f"HPCPIPE_INJECT_FAULT: kind = {kind!r} is not raise, exit, kill, usr1, term, hang"
+        f"HPCPIPE_INJECT_FAULT: kind = {kind!r} is not raise, exit, kill, usr1, term, int, hang"
     )

@@ -27,16 +27,3 @@ def test_help_lists_commands(cli):
     r = cli(["--help"])
     assert r.returncode == 0
     assert "run" in r.stdout and "plan" in r.stdout
-
-
-def test_the_command_line_loads_no_numpy_before_run_blocks_signals():
-    """`hpcpipe run` blocks SIGUSR1/SIGTERM before any thread starts; NumPy's BLAS starts
-    threads at import, so importing it before then would let a stop signal be lost."""
-    import subprocess
-
-    code = (
-        "import sys; from hpcpipe.cli import build_parser; build_parser(); "
-        "assert 'numpy' not in sys.modules, 'the command line imported numpy'"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr

@@ -150,6 +150,8 @@ def _execute(args: argparse.Namespace) -> int:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError("trace " + action, "", str(exc)) from None
+    except BrokenPipeError:  # output piped into `head`: the reader has what it wanted
+        raise
     except OSError as exc:
         raise ConfigError("trace " + action, "", f"cannot write output: {exc}") from None
     sys.stdout.flush()

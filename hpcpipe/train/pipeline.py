@@ -251,10 +251,12 @@ class PipelineRank:
         if kind == Kind.F:
             self._forward(s, mb, step)
         elif kind == Kind.B:
+            maybe_fail(f"backward:{step + 1}", self.world_rank)
             self._backward_input(s, mb)
         elif kind == Kind.W:
             self._backward_weight(s, mb)
         elif kind == Kind.BW:
+            maybe_fail(f"backward:{step + 1}", self.world_rank)
             self._backward_input(s, mb)
             self._backward_weight(s, mb)
         elif kind == Kind.SEND_F:

@@ -186,7 +186,10 @@ def test_particle_balance(scatter, scheme):
     cfg = SweepConfig(**kw, scheme=scheme, fixup=True, tolerance=1e-14, max_iterations=400)
     _, res = _solve(cfg)
     assert res.converged
-    assert res.iterations == (2 if scatter == 0 else res.iterations) and res.iterations >= 2
+    if scatter == 0:  # no scattering: the first sweep is exact, the second confirms it
+        assert res.iterations == 2
+    else:  # source iteration converges at the rate of the scattering ratio: many sweeps
+        assert 10 < res.iterations < 400
     b = res.balance
     assert b.source > 0 and b.inflow > 0 and b.absorption > 0 and b.outflow > 0
     assert b.relative_error < 1e-10
