@@ -62,16 +62,14 @@ def bench(
 
 
 def pyplot() -> Any:
-    """matplotlib.pyplot with a file backend, or None when matplotlib is not installed."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
-        print("# matplotlib not installed: no figure (pip install 'hpcpipe[plot]')")
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """matplotlib.pyplot on a file backend (exits with hpcpipe's message if it is missing)."""
+    from hpcpipe.config import ConfigError
+    from hpcpipe.plotting import pyplot as plotting_pyplot
 
-    return plt
+    try:
+        return plotting_pyplot("benchmarks", "figure")
+    except ConfigError as exc:
+        sys.exit(f"ERROR: {exc}")
 
 
 def save_figure(fig: Any, figure: str) -> Path:

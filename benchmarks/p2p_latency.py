@@ -16,8 +16,6 @@ FIGURE = "p2p_latency"
 
 def plot(result: dict) -> None:
     plt = pyplot()
-    if plt is None:
-        return
     rows = result["rows"]
     size = [r["bytes"] for r in rows]
     fig, (lat, bw) = plt.subplots(1, 2, figsize=(10, 4))

@@ -27,8 +27,6 @@ def plot(result: dict, figure: str, title: str, bars: list[tuple[str, str]]) -> 
     """Grouped bars per schedule; the first bar is the measured one, labelled with its ratio
     to the second."""
     plt = pyplot()
-    if plt is None:
-        return
     rows = [r for r in result["rows"] if r.get(bars[0][0]) is not None]
     width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(10, 4.2))

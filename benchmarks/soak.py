@@ -356,8 +356,6 @@ def plot(
     """RSS and open descriptors of every rank against the training step (grey: the run
     without checkpoints)."""
     plt = pyplot()
-    if plt is None:
-        return
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
     for rank in sorted({s["rank"] for s in baseline}):
         mine = [s for s in baseline if s["rank"] == rank and s["phase"] == "train"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-from _common import RESULTS, machine, run_hpcpipe, save_json
+from _common import RESULTS, machine, pyplot, run_hpcpipe, save_json
 
 
 def main() -> None:
@@ -60,11 +60,7 @@ def main() -> None:
         f"({(tail / optimal - 1) * 100:+.1f}%)"
     )
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     label = f"{args.schedule}, pp={args.pp or args.ranks}, dp={args.dp} ({Path(args.deck).stem})"
     ax.plot(np.arange(1, len(loss) + 1), loss, lw=1.2, label=label)

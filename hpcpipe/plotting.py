@@ -13,7 +13,9 @@ from hpcpipe.config import ConfigError
 
 __all__ = ["have_matplotlib", "pyplot", "require_matplotlib"]
 
-INSTALL_HINT = "pip install matplotlib (or pip install 'hpcpipe[plot]')"
+INSTALL_HINT = (
+    "pip install 'matplotlib>=3.6' (a dependency of hpcpipe: was it installed with --no-deps?)"
+)
 
 
 def have_matplotlib() -> bool:

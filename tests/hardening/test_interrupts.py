@@ -103,7 +103,7 @@ def test_second_ctrl_c_exits_130_with_one_line(tmp_path):
 
 @pytest.mark.mpi
 def test_ctrl_c_under_mpiexec_checkpoints_without_tracebacks(tmp_path):
-    args = _long_run(tmp_path)[:-2] + ["--set", "topology.pp=2"]
+    args = [*_long_run(tmp_path)[:-2], "--set", "topology.pp=2"]
     proc = _start([*mpiexec_command(), "-n", "4", sys.executable, "-m", "hpcpipe", *args])
     _wait_for(proc, "step 2/")
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
@@ -174,5 +174,5 @@ def _head_one(args: list[str]) -> tuple[int, str, str]:
 def test_output_piped_into_head_ends_quietly(args):
     rc, first, err = _head_one(args)
     assert first.strip(), err
-    assert rc == 0 and err == "" or "note:" in err and "Error" not in err, (rc, err)
-    assert "Traceback" not in err and "BrokenPipe" not in err and "ERROR" not in err, err
+    assert rc == 0, (rc, err)
+    assert all(line.startswith("note:") for line in err.splitlines()), err
