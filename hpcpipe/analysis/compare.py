@@ -10,11 +10,13 @@ from hpcpipe.io.trace import Trace
 __all__ = ["compare", "compare_summaries", "table_rows"]
 
 
-def _row(name: str, a: float | None, b: float | None, text: Callable[[float], str]) -> str:
+def _row_at(
+    name: str, a: float | None, b: float | None, text: Callable[[float], str], width: int = 16
+) -> str:
     ta = "-" if a is None else text(a)
     tb = "-" if b is None else text(b)
     ratio = f"{b / a:.3f}" if a and b is not None else "-"
-    return f"{name:<34} {ta:>16} {tb:>16} {ratio:>8}"
+    return f"{name:<34} {ta:>{width}} {tb:>{width}} {ratio:>8}"
 
 
 def _pct(x: float) -> str:
@@ -35,12 +37,18 @@ def compare_summaries(sa: Summary, sb: Summary) -> str:
     """`compare` on summaries already computed."""
     pa, pb = sa.prediction, sb.prediction
     mean = lambda s, arr: float(arr.mean()) if s.num_ranks else 0.0  # noqa: E731
+    name_a, name_b = sa.schedule or "-", sb.schedule or "-"
+    w = max(16, len(name_a), len(name_b))  # a schedule's name is never cut
+
+    def _row(*args: object) -> str:
+        return _row_at(*args, width=w)
+
     lines = [
         f"A: {sa.path}",
         f"B: {sb.path}",
         "",
-        f"{'':<34} {'A':>16} {'B':>16} {'B/A':>8}",
-        f"{'schedule':<34} {sa.schedule or '-':>16.16} {sb.schedule or '-':>16.16}",
+        f"{'':<34} {'A':>{w}} {'B':>{w}} {'B/A':>8}",
+        f"{'schedule':<34} {name_a:>{w}} {name_b:>{w}}",
         _row("ranks", sa.num_ranks, sb.num_ranks, str),
         _row("recorded steps", len(sa.steps), len(sb.steps), str),
         _row("step time (median)", sa.step_time_ns, sb.step_time_ns, fmt_time),
@@ -95,15 +103,16 @@ def table_rows(summaries: list[Summary]) -> tuple[str, list[dict[str, object]]]:
             }
         )
     width = max([len("run")] + [len(_run_name(r["trace"])) for r in rows])
+    sw = max([len("schedule")] + [len(r["schedule"]) for r in rows])  # never cut a name
     lines = [
-        f"{'run':<{width}} {'schedule':<28} {'ranks':>5} {'step':>11} {'predicted':>11} "
+        f"{'run':<{width}} {'schedule':<{sw}} {'ranks':>5} {'step':>11} {'predicted':>11} "
         f"{'bubble':>7} {'pred.':>7} {'peak mem':>11}"
     ]
     for r in sorted(rows, key=lambda r: r["step_time_s"]):
         pred = "-" if r["predicted_s"] is None else fmt_time(r["predicted_s"] * 1e9)
         pbub = "-" if r["bubble_predicted"] is None else _pct(r["bubble_predicted"])
         lines.append(
-            f"{_run_name(r['trace']):<{width}} {r['schedule']:<28.28} {r['ranks']:>5} "
+            f"{_run_name(r['trace']):<{width}} {r['schedule']:<{sw}} {r['ranks']:>5} "
             f"{fmt_time(r['step_time_s'] * 1e9):>11} {pred:>11} "
             f"{_pct(r['bubble']):>7} {pbub:>7} {_mib(r['peak_bytes'] or 0):>11}"
         )

@@ -18,7 +18,7 @@ import numpy as np
 from hpcpipe.schedules.ir import Kind
 from hpcpipe.schedules.simulate import SimResult
 
-__all__ = ["ascii_timeline", "plot_pareto", "plot_timeline"]
+__all__ = ["ascii_timeline", "legend_entries", "plot_pareto", "plot_timeline"]
 
 _LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
 _COLOR = {Kind.F: "#4c72b0", Kind.B: "#55a868", Kind.W: "#c9b03a", Kind.BW: "#8172b2"}
@@ -84,6 +84,24 @@ def ascii_timeline(result: SimResult, *, max_width: int = 160, max_ranks: int = 
     return "\n".join([*lines, legend])
 
 
+_LEGEND = {
+    Kind.F: "F forward",
+    Kind.B: "B backward (inputs)",
+    Kind.W: "W weights",
+    Kind.BW: "B+W fused backward",
+}
+
+
+def legend_entries(result: SimResult) -> list[tuple[Kind | None, str]]:
+    """What the timeline's legend lists: each kind of action drawn, and the hatching (None)
+    when some rank runs a second stage; nothing that is not in the picture."""
+    present = {Kind(k) for k in np.unique(result.kind).tolist()}
+    entries: list[tuple[Kind | None, str]] = [(k, t) for k, t in _LEGEND.items() if k in present]
+    if (_chunk_index(result) % 2 == 1).any():
+        entries.append((None, "a rank's 2nd stage (hatched)"))
+    return entries
+
+
 def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = None) -> Path:
     """Write a PNG timeline: one bar per action coloured by kind (hatched for a rank's second
     stage), microbatch numbers where they fit; gaps are the bubbles."""
@@ -128,17 +146,28 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time")
     ax.set_ylabel("rank")
+    # above the axes (never over a bar), only the kinds drawn, and the hatching explained
+    handles = [
+        Patch(
+            facecolor=_COLOR.get(k, "white"),
+            edgecolor="black",
+            linewidth=0.3,
+            hatch="//" if k is None else None,
+            label=label,
+        )
+        for k, label in legend_entries(result)
+    ]
     ax.legend(
-        handles=[
-            Patch(color=_COLOR[k], label=name)
-            for k, name in ((Kind.F, "F"), (Kind.B, "B"), (Kind.W, "W"), (Kind.BW, "B+W"))
-        ],
-        loc="upper right",
+        handles=handles,
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.0),
+        ncol=len(handles),
         fontsize=7,
+        frameon=False,
     )
-    ax.set_title(
-        title
-        or f"{sched.name}: makespan {result.makespan:g}, bubble {100 * result.bubble_fraction:.1f}%"
+    bubble = 100 * result.bubble_fraction
+    fig.suptitle(
+        title or f"{sched.name}: makespan {result.makespan:g}, bubble {bubble:.1f}%", fontsize=10
     )
     fig.tight_layout()
     out = Path(path)

@@ -50,6 +50,16 @@ def test_export_plot_compare(traces, capsys):
     assert "bubble measured" in text and "peak memory" in text
     row = next(ln for ln in text.splitlines() if ln.startswith("peak memory"))
     assert row.split()[-1] == "0.500"
+    # schedule names are shown whole in both tables, however long
+    from hpcpipe.analysis.metrics import summarize
+    from hpcpipe.io.trace import read_trace
+
+    names = [summarize(read_trace(p)).schedule for p in (a, b)]
+    assert max(map(len, names)) > 16, names  # longer than the old fixed column
+    assert all(name in text for name in names), text
+    assert main(["trace", "table", str(a), str(b)]) == 0
+    table = capsys.readouterr().out
+    assert all(name in table for name in names), table
 
 
 @pytest.mark.parametrize(

@@ -27,3 +27,12 @@ def test_ascii_marks_second_chunk_and_cuts():
 def test_png(tmp_path):
     out = plot_timeline(simulate(build_schedule("v-min", 3, 6)), tmp_path / "t.png")
     assert out.stat().st_size > 1000
+
+
+def test_legend_lists_what_is_drawn_and_the_hatching():
+    from hpcpipe.schedules.plot import legend_entries
+
+    fused = [label for _, label in legend_entries(simulate(build_schedule("1f1b", 2, 4)))]
+    assert fused == ["F forward", "B+W fused backward"]
+    split_v = [k for k, _ in legend_entries(simulate(build_schedule("zb-v", 2, 4)))]
+    assert split_v[-1] is None and len(split_v) == 4  # F, B, W and the hatched second stage
