@@ -209,6 +209,14 @@ def restore(
     _agree(world, error)
     assert state is not None
     loaded, step, optimizer_step, history, topology = state
+    steps = ctx.config.run.steps
+    if step >= steps:  # every rank read the same step: the same error everywhere
+        raise ConfigError(
+            "--resume",
+            "",
+            f"{path} is at step {step} and run.steps = {steps}: nothing to do; raise "
+            f"run.steps to train further (e.g. --set run.steps={step + steps})",
+        )
     xp = ctx.xp
     for s, tree in params.items():
         for unit, p in tree.items():

@@ -77,6 +77,14 @@ def test_resume_is_bitwise_equal(mpirun, tmp_path, full_run):
     assert np.array_equal(losses(full_run), losses(tmp_path))
 
 
+def test_resume_of_a_finished_run_says_there_is_nothing_to_do(mpirun, tmp_path, full_run):
+    args = ["run", DECK, "--resume", str(full_run / "checkpoints")]
+    r = mpirun(4, [*args, *sets(f"run.output={tmp_path}", "run.steps=6")], timeout=120)
+    assert r.returncode == 2, r.output
+    assert "is at step 6 and run.steps = 6: nothing to do" in r.stderr, r.output
+    assert "--set run.steps=12" in r.stderr and "MISMATCH" not in r.output
+
+
 @pytest.mark.parametrize(("pp", "dp"), [(4, 1), (1, 2), (2, 1)])
 def test_resume_on_another_layout_matches_reference(mpirun, tmp_path, full_run, pp, dp):
     r = mpirun(
