@@ -86,10 +86,20 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="continue from the latest complete checkpoint of run.output (or PATH)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh where an earlier run wrote: delete its files in run.output and its "
+        "checkpoints (only those; without this flag such a run directory is refused)",
+    )
 
 
 def _execute_run(args: argparse.Namespace) -> int:
     config = _load(args)  # before MPI starts: every rank reads the same deck
+    if args.overwrite and args.resume:
+        raise ConfigError(
+            "--overwrite", "", "and --resume contradict each other: continue a run or replace it"
+        )
     if args.world is not None and not args.dry_run:
         raise ConfigError(
             "--world", "", "is for --dry-run: a real run's world is what the launcher started"
@@ -99,7 +109,13 @@ def _execute_run(args: argparse.Namespace) -> int:
     from hpcpipe.runtime import run_job
 
     return abort_on_error(
-        lambda: run_job(config, dry_run=args.dry_run, verbose=args.verbose, resume=args.resume),
+        lambda: run_job(
+            config,
+            dry_run=args.dry_run,
+            verbose=args.verbose,
+            resume=args.resume,
+            overwrite=args.overwrite,
+        ),
         bad_input=(ConfigError,),
     )
 

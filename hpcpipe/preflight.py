@@ -56,6 +56,7 @@ def check_deck(config: Config, world: int, ranks_per_node: int, *, files: bool =
     from hpcpipe.runtime import build_rankmap
 
     rankmap = build_rankmap(config, world, ranks_per_node)
+    check_written_paths(config)
     check = _WORKLOAD_CHECKS.get(config.run.workload)
     if check is not None:
         check(config, rankmap, files)
@@ -472,10 +473,16 @@ def _output_dirs(config: Config) -> list[tuple[str, Path]]:
     return dirs
 
 
-def prepare_output(config: Config) -> tuple[str, str] | None:
-    """Rank 0: create the run directories and write config.toml into run.output; returns
-    (key, reason) when that fails (missing permission, read-only or full file system, a file
-    in the way), None when done."""
+def prepare_output(
+    config: Config, *, resume: bool = False, overwrite: bool = False
+) -> tuple[str, str] | None:
+    """Rank 0: apply the run-directory policy (hpcpipe.rundir), create the run directories and
+    write config.toml into run.output; returns (key, reason) when that fails (an earlier run
+    there, missing permission, read-only or full file system, a file in the way), None when
+    done."""
+    problem = _earlier_run(config, resume=resume, overwrite=overwrite)
+    if problem is not None:
+        return problem
     for key, path in _output_dirs(config):
         try:
             path.mkdir(parents=True, exist_ok=True)
@@ -486,6 +493,59 @@ def prepare_output(config: Config) -> tuple[str, str] | None:
         except (OSError, ValueError) as exc:
             return key, f"= {str(path)!r}: cannot write there: {_os_reason(exc)}"
     return check_output(config)
+
+
+def _written_paths(config: Config) -> tuple[Path, Path, Path]:
+    """run.output, the checkpoints directory and the trace file of this deck."""
+    output = Path(config.run.output)
+    ckpt = config.sections.get("checkpoint")
+    trace = config.sections.get("trace")
+    checkpoints = ckpt.directory(output) if ckpt is not None else output / "checkpoints"
+    trace_file = trace.resolve_path(output) if trace is not None else output / "trace.h5"
+    return output, checkpoints, trace_file
+
+
+def _earlier_run(config: Config, *, resume: bool, overwrite: bool) -> tuple[str, str] | None:
+    from hpcpipe.rundir import clear_run, describe, previous_run
+
+    output, checkpoints, trace_file = _written_paths(config)
+    try:
+        found = previous_run(output, checkpoints, trace_file)
+        if not found or resume:
+            return None
+        if overwrite:
+            clear_run(found)
+            return None
+    except OSError as exc:
+        return "run.output", f"= {str(output)!r}: cannot clear the earlier run: {_os_reason(exc)}"
+    return "run.output", (
+        f"= {str(output)!r} already holds an earlier run ({describe(found, output)}): continue "
+        "it with --resume, start afresh with --overwrite (deletes those files only), or set "
+        "run.output to another directory"
+    )
+
+
+def check_written_paths(config: Config) -> None:
+    """Pure checks of where the run will write, before any work: an empty run.output would
+    scatter the run's files into the working directory; a trace.path that is a directory
+    would only fail when the trace is written, at the end of the run."""
+    source = config.source
+    if not config.run.output.strip():
+        raise ConfigError(
+            source,
+            "run.output",
+            '= "" would write the run\'s files into the working directory: name a run '
+            'directory (e.g. "runs/my_run")',
+        )
+    trace = config.sections.get("trace")
+    if trace is not None and trace.enabled and trace.path and Path(trace.path).is_dir():
+        raise ConfigError(
+            source,
+            "trace.path",
+            f"= {trace.path!r} is a directory: name the trace file (e.g. "
+            f"{str(Path(trace.path) / 'trace.h5')!r}), or leave it empty for "
+            "<run.output>/trace.h5",
+        )
 
 
 def check_output(config: Config) -> tuple[str, str] | None:

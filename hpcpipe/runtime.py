@@ -128,13 +128,16 @@ def _check_slurm(world: Any, config: Config) -> Any:
     return layout
 
 
-def _prepare_output(config: Config, world: Any, node_comm: Any) -> Path:
+def _prepare_output(
+    config: Config, world: Any, node_comm: Any, *, resume: bool, overwrite: bool
+) -> Path:
     """Rank 0 creates the run directories and writes config.toml; then one rank per node checks
     it can write there. Any failure (a file in the way, read-only or full file system, no
     permission) is bad input naming the key, raised on every rank before any work."""
     from hpcpipe.preflight import check_output, prepare_output
 
-    problem = world.bcast(prepare_output(config) if world.rank == 0 else None, root=0)
+    mine = prepare_output(config, resume=resume, overwrite=overwrite) if world.rank == 0 else None
+    problem = world.bcast(mine, root=0)
     if problem is None and node_comm.rank == 0 and world.rank != 0:
         problem = check_output(config)
     found = [p for p in world.allgather(problem) if p is not None]
@@ -162,7 +165,12 @@ def _resolve_workload(name: str) -> Callable[[RunContext], Any]:
 
 
 def run_job(
-    config: Config, *, dry_run: bool = False, verbose: bool = False, resume: str | None = None
+    config: Config,
+    *,
+    dry_run: bool = False,
+    verbose: bool = False,
+    resume: str | None = None,
+    overwrite: bool = False,
 ) -> int:
     """Run `config`'s workload on the current MPI world; returns the exit code."""
     from hpcpipe.mpi.guard import prepare
@@ -171,7 +179,9 @@ def run_job(
     with Watchdog(config.run.watchdog_s) as watchdog:
         # start-up is collectives only (no rank computes): a minute covers any sane launch
         watchdog.arm("start-up", _startup_where, limit_s=max(60.0, config.run.watchdog_s))
-        return _start_and_run(config, watchdog, dry_run=dry_run, verbose=verbose, resume=resume)
+        return _start_and_run(
+            config, watchdog, dry_run=dry_run, verbose=verbose, resume=resume, overwrite=overwrite
+        )
 
 
 def _startup_where() -> str:
@@ -179,7 +189,13 @@ def _startup_where() -> str:
 
 
 def _start_and_run(
-    config: Config, watchdog: Watchdog, *, dry_run: bool, verbose: bool, resume: str | None
+    config: Config,
+    watchdog: Watchdog,
+    *,
+    dry_run: bool,
+    verbose: bool,
+    resume: str | None,
+    overwrite: bool,
 ) -> int:
     from mpi4py import MPI
 
@@ -215,7 +231,9 @@ def _start_and_run(
             print(rankmap.describe())
         return 0
 
-    output = _prepare_output(config, world, node_comm)
+    output = _prepare_output(
+        config, world, node_comm, resume=resume is not None, overwrite=overwrite
+    )
     device = config.device
     try:
         backend = make_backend(device.kind, device.dtype, node_info.local_rank, device.cuda_aware)

@@ -1,8 +1,11 @@
 """The checkpoint directory protocol: step directory names, durability, `latest`, rotation.
 
 A step directory is complete exactly when it carries its final name (`step_000100/`): it is
-written as `step_000100.tmp/`, made durable, then renamed. Anything ending in `.tmp` is debris
-from an interrupted save and is never read.
+written as `step_000100.tmp/`, made durable, then renamed. A checkpoints directory may be
+shared with other files: the protocol owns only the names it creates (`step_NNNNNN/`,
+`step_NNNNNN.tmp/`, `step_NNNNNN.del.tmp/`, `step_NNNNNN.replaced.tmp/`, `latest` and
+`.latest.PID.tmp`), and rotation deletes nothing else. Debris of an interrupted save is never
+read.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ from pathlib import Path
 
 from hpcpipe.io.ckpt_format import INDEX_FILE, CheckpointError
 
-__all__ = ["latest_checkpoint", "resolve_checkpoint"]
+__all__ = ["latest_checkpoint", "owned_names", "resolve_checkpoint"]
 
 LATEST = "latest"
 CHECKPOINTS_DIR = "checkpoints"
-_STEP_RE = re.compile(r"step_(\d+)")
+_STEP_RE = re.compile(r"step_(\d{6,})")
+_DEBRIS_RE = re.compile(r"step_\d{6,}(\.del|\.replaced)?\.tmp")
+"""Directories an interrupted save or rotation leaves: deleted by the next successful save."""
+_LATEST_TMP_RE = re.compile(r"\.latest\.\d+\.tmp")
 
 
 def step_name(step: int) -> str:
@@ -30,6 +36,20 @@ def step_of(path: Path) -> int | None:
     """The step of a complete-looking step directory name, else None."""
     m = _STEP_RE.fullmatch(path.name)
     return int(m.group(1)) if m else None
+
+
+def owned_names(root: Path) -> list[Path]:
+    """Everything in a checkpoints directory that the protocol created (nothing else)."""
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return []
+    return [
+        p
+        for p in entries
+        if (p.is_dir() and (_STEP_RE.fullmatch(p.name) or _DEBRIS_RE.fullmatch(p.name)))
+        or (p.name == LATEST or _LATEST_TMP_RE.fullmatch(p.name))
+    ]
 
 
 def fsync_path(path: Path) -> None:
@@ -155,8 +175,8 @@ def rotate(root: Path, newest: Path, keep: int) -> list[Path]:
     if keep > 0 and new_step is not None:
         older = [p for p in complete_steps(root) if (step_of(p) or 0) < new_step]
         doomed = older[: max(0, len(older) - (keep - 1))]
-    try:
-        debris = [p for p in root.iterdir() if p.is_dir() and p.name.endswith(".tmp")]
+    try:  # only the protocol's own debris: a user's `results.tmp/` is not ours to delete
+        debris = [p for p in root.iterdir() if p.is_dir() and _DEBRIS_RE.fullmatch(p.name)]
     except OSError:
         debris = []
     for path in [*doomed, *debris]:
