@@ -1,6 +1,7 @@
 """Rewrite the measured blocks of docs/performance.md from benchmarks/results/*.json.
 
     python benchmarks/report.py              # after the figure scripts (or run_all.py)
+    python benchmarks/report.py --check      # exit 1 if a page's tables differ from the results
 
 A block is the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; NAME is a
 results file (its command and table, exactly as printed when it ran), `machine` (where the
@@ -21,7 +22,6 @@ from _common import RESULTS, ROOT
 
 from hpcpipe.bench.table import read_report
 
-DOC = ROOT / "docs" / "performance.md"
 BLOCK = re.compile(r"(<!-- bench:([\w-]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
 
 
@@ -144,16 +144,34 @@ def render(text: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--doc", default=str(DOC), help="the report to update")
-    args = ap.parse_args()
-    doc = Path(args.doc)
-    text = doc.read_text(encoding="utf-8")
-    new = render(text)
-    doc.write_text(new, encoding="utf-8")
-    blocks = len(BLOCK.findall(text))
-    print(
-        f"updated {blocks} block(s) of {doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc}"
+    ap.add_argument(
+        "pages", nargs="*", help="pages to update (default: every docs/*.md with bench blocks)"
     )
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if a page differs from the results"
+    )
+    args = ap.parse_args()
+    pages = [Path(p) for p in args.pages] or sorted((ROOT / "docs").glob("*.md"))
+    stale = []
+    for doc in pages:
+        text = doc.read_text(encoding="utf-8")
+        blocks = len(BLOCK.findall(text))
+        if not blocks:
+            continue
+        new = render(text)
+        shown = doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc
+        if args.check:
+            if new != text:
+                stale.append(str(shown))
+            continue
+        doc.write_text(new, encoding="utf-8")
+        print(f"updated {blocks} block(s) of {shown}")
+    if stale:
+        print(
+            f"not rendered from benchmarks/results: {', '.join(stale)} "
+            "(run python benchmarks/report.py)"
+        )
+        return 1
     return 0
 
 

@@ -14,6 +14,8 @@ Conventions in the Markdown (all fenced blocks of README.md and docs/*.md):
   stands for any number of lines. `--write` reruns COMMAND and puts its output in place,
   keeping as many head and tail lines around a `...` as the page shows now.
 - A ```python block runs as a script.
+- Blocks between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` are benchmark tables that
+  benchmarks/report.py renders from benchmarks/results/NAME.json (checked by its --check).
 - An HTML comment on the line before a fence tunes it, one setting per line:
 
       <!-- doc
@@ -54,7 +56,7 @@ DEFAULT_TIMEOUT = 180.0
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _LOOKS_LIKE_A_COMMAND = re.compile(
-    r"^\s*(\$ )?(mpiexec|srun|sbatch|hpcpipe|python3?|pytest|bash|jobscripts/)\b"
+    r"^\s*(\$ )?((mpiexec|srun|sbatch|hpcpipe|python3?|pytest|bash|pip)\s|jobscripts/\S+\s)"
 )
 
 
@@ -72,6 +74,8 @@ class Block:
     vary: list[str] = field(default_factory=list)
     unordered: bool = False
     timeout: float = DEFAULT_TIMEOUT
+    rendered: bool = False
+    """Inside `<!-- bench:NAME -->` markers: a results table benchmarks/report.py renders."""
 
     @property
     def name(self) -> str:
@@ -108,10 +112,14 @@ def _settings(comment: list[str]) -> dict[str, list[str]]:
 def parse(page: str) -> list[Block]:
     """Every fenced block of `page` (a path relative to the repository root)."""
     lines = (ROOT / page).read_text(encoding="utf-8").splitlines()
-    blocks, i = [], 0
+    blocks, i, in_bench = [], 0, False
     while i < len(lines):
         m = _FENCE.match(lines[i])
         if not m:
+            if lines[i].startswith("<!-- bench:"):
+                in_bench = True
+            elif lines[i].startswith("<!-- /bench:"):
+                in_bench = False
             i += 1
             continue
         start, lang = i, m.group(1)
@@ -124,9 +132,9 @@ def parse(page: str) -> list[Block]:
             while k >= 0 and lines[k].strip() != "<!-- doc":
                 k -= 1
             if k >= 0:
-                comment = lines[k : start]
+                comment = lines[k:start]
         settings = _settings(comment)
-        block = Block(page, start + 1, lang, lines[start + 1 : j])
+        block = Block(page, start + 1, lang, lines[start + 1 : j], rendered=in_bench)
         if lang == "console" and not (block.body and block.body[0].startswith("$ ")):
             raise ValueError(f"{block.name}: a console block starts with `$ COMMAND`")
         block.skip = (settings.get("skip") or [None])[0]
@@ -152,7 +160,7 @@ def unrun_commands(page: str) -> list[str]:
     ```bash or ```console block (run) or carry a `skip:` saying why it cannot run."""
     found = []
     for b in parse(page):
-        if b.lang in RUN:
+        if b.lang in RUN or b.rendered:
             continue
         for n, text in enumerate(b.body):
             if _LOOKS_LIKE_A_COMMAND.match(text):
@@ -268,7 +276,9 @@ def differences(block: Block, got: str) -> str | None:
                 (
                     k
                     for k in range(pos, len(actual) - len(seg) + 1)
-                    if all(_same_line(s, a, block.vary) for s, a in zip(seg, actual[k:], strict=False))
+                    if all(
+                        _same_line(s, a, block.vary) for s, a in zip(seg, actual[k:], strict=False)
+                    )
                 ),
                 -1,
             )
@@ -325,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
             for b in runnable(page):
                 why = b.skip or (b.slow if not args.slow else None)
                 if args.list or why:
-                    print(f"{'skip' if why else 'run '}     {b.name} {b.lang}" + (f": {why}" if why else ""))
+                    print(
+                        f"{'skip' if why else 'run '}     {b.name} {b.lang}"
+                        + (f": {why}" if why else "")
+                    )
                     continue
                 ws = ws or workspace(page, Path(tmp))
                 ran = run(b, ws)

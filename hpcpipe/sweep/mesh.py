@@ -209,6 +209,7 @@ def write_mesh_file(
     if min(ids.shape) < 1:
         raise ValueError(f"material_ids must have at least one cell per axis, got {ids.shape}")
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with h5py.File(tmp, "w", libver=LIBVER) as f:  # metadata blocks carry checksums

@@ -524,7 +524,7 @@ def _cli_deck(tmp_path: Path, change: dict[str, dict[str, Any]] | bytes) -> Path
 def test_bad_deck_through_the_cli(cli, mpirun, tmp_path, label, change, key):
     deck = _cli_deck(tmp_path, change)
     for r in (
-        cli(["run", str(deck), "--dry-run"], timeout=60),
+        cli(["run", str(deck), "--dry-run", "--world", "1"], timeout=60),  # as a 1-rank job
         mpirun(2, ["run", str(deck)], timeout=60),
     ):
         assert r.returncode == 2, r.output

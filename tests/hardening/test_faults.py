@@ -248,8 +248,21 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("sig", ["usr1", "term"])
-@pytest.mark.parametrize("phase", sorted(PHASES))
+@pytest.mark.parametrize(
+    ("phase", "sig"),
+    [
+        pytest.param(
+            phase,
+            sig,
+            id=f"{phase}-{sig}",
+            marks=()
+            if (phase, sig) in {("forward", "usr1"), ("checkpoint", "term")}
+            else pytest.mark.slow,
+        )
+        for phase in sorted(PHASES)
+        for sig in ("usr1", "term")
+    ],
+)
 def test_stop_signal_in_any_phase_checkpoints_and_exits_zero(tmp_path, phase, sig):
     fault = PHASES[phase].format(sig=sig)
     args = ["run", TRAIN, *sets(f"run.output={tmp_path}", "run.steps=8", "checkpoint.every=2")]

@@ -42,14 +42,29 @@ def train(mpirun, tmp_path, pp, dp, *extra, env=None, timeout=180):
     return mpirun(pp * dp, args, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize(("pp", "dp"), LAYOUTS, ids=[f"pp{p}dp{d}" for p, d in LAYOUTS])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+QUICK = {("1f1b", 2, 2), ("zb-v", 2, 2), ("interleaved-1f1b", 4, 1), ("dualpipe-v", 4, 2)}
+"""The matrix's representative cases (a fused, a split and an interleaved backward, the V
+turnaround, data parallelism); the rest is marked slow (CI runs every case)."""
+MATRIX = [
+    pytest.param(
+        s,
+        pp,
+        dp,
+        id=f"{s}-pp{pp}dp{dp}",
+        marks=() if (s, pp, dp) in QUICK else pytest.mark.slow,
+    )
+    for s in SCHEDULES
+    for pp, dp in LAYOUTS
+]
+
+
+@pytest.mark.parametrize(("schedule", "pp", "dp"), MATRIX)
 def test_schedule_matches_reference(mpirun, tmp_path, schedule, pp, dp):
     r = train(mpirun, tmp_path, pp, dp, "--set", f"pipeline.schedule={schedule}")
     assert r.returncode == 0, r.output
     assert "verify OK" in r.stdout, r.output
-    # measured peak live activations per rank equal the simulator's prediction
-    assert re.search(r"activations: .* match", r.stdout), r.stdout
+    # the runtime ran the plan's order: its live-microbatch count equals the plan's
+    assert re.search(r"activations: .* counted (\[[^\]]*\]), planned \1\n", r.stdout), r.stdout
     with h5py.File(tmp_path / "metrics.h5") as f:
         assert f.attrs["format"] == "hpcpipe-metrics"
         assert f["loss"].shape == (3,)

@@ -45,7 +45,7 @@ def test_auto_schedule_matches_reference(mpirun, tmp_path, deck, budget):
     assert r.returncode == 0, r.output
     assert "schedule=auto" in r.stdout, r.output
     assert "verify OK" in r.stdout, r.output
-    found = re.search(r"activations: peak live .* measured \[([^\]]*)\] .* match", r.stdout)
+    found = re.search(r"activations: peak live .* counted \[([^\]]*)\], planned \[\1\]\n", r.stdout)
     assert found, r.stdout
     measured = [float(x) for x in found.group(1).split(",")]
     assert len(measured) == 4 and max(measured) <= float(budget) + 1e-9

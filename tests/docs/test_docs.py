@@ -1,0 +1,139 @@
+"""Documentation that cannot drift: every command README.md and docs/*.md show runs as shown,
+and every sample output they show is what the command prints now (docs/samples.py; numbers
+that vary by machine are masked, structure is not). Blocks that cannot run here carry a
+`skip:` or `slow:` comment in the page, and are reported as skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("doc_samples", ROOT / "docs" / "samples.py")
+samples = importlib.util.module_from_spec(_spec)
+sys.modules["doc_samples"] = samples
+_spec.loader.exec_module(samples)
+
+pytestmark = pytest.mark.docs
+
+BLOCKS = [b for page in samples.PAGES for b in samples.runnable(page)]
+
+
+@pytest.fixture(scope="module")
+def workspaces(tmp_path_factory):
+    base = tmp_path_factory.mktemp("docs")
+    made: dict[str, object] = {}
+
+    def get(page: str):
+        if page not in made:
+            made[page] = samples.workspace(page, base)
+        return made[page]
+
+    return get
+
+
+@pytest.mark.slow  # about two minutes of runs; CI runs it on every change
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
+def test_documented_block_runs_as_shown(block, workspaces):
+    if block.skip:
+        pytest.skip(f"{block.name}: {block.skip}")
+    if block.slow and not os.environ.get("HPCPIPE_DOCS_SLOW"):
+        pytest.skip(f"{block.name}: slow ({block.slow}); HPCPIPE_DOCS_SLOW=1 runs it")
+    ran = samples.run(block, workspaces(block.page))
+    assert ran.returncode == block.exit, (
+        f"{block.name}: exit {ran.returncode}, the page expects {block.exit}\n{ran.output[-4000:]}"
+    )
+    if block.lang == "console":
+        problem = samples.differences(block, ran.output)
+        assert problem is None, (
+            f"{block.name}: the output differs from the page ({problem}); if the change is "
+            f"intended, regenerate it with `python docs/samples.py {block.page}`"
+        )
+
+
+def test_no_command_hides_in_a_block_that_is_not_run():
+    hidden = [line for page in samples.PAGES for line in samples.unrun_commands(page)]
+    assert hidden == [], "put these in a ```bash or ```console block:\n" + "\n".join(hidden)
+
+
+def test_every_page_is_checked():
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert {p.split("/")[-1] for p in samples.PAGES} >= pages | {"README.md"}
+
+
+def test_benchmark_tables_are_rendered_from_their_results():
+    """A table in docs/performance.md (or any page) is the output its results file renders,
+    ending with the commit it was measured on: never typed, never edited by hand."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    blocks = (
+        text.count("<!-- bench:")
+        - text.count("<!-- bench:summary")
+        - text.count("<!-- bench:machine")
+    )
+    assert text.count("# measured on") == blocks, "every measured table names its commit"
+
+
+def test_the_sample_checker_catches_a_stale_sample():
+    """The comparison itself: equal text, integers exact, other numbers to 0.1%, masks."""
+    block = samples.Block("x.md", 1, "console", ["$ true", "step 1/30 loss=3.9115 tok/s=12946"])
+    block.vary = [r"tok/s=\S+"]
+    assert samples.differences(block, "step 1/30 loss=3.9116 tok/s=99\n") is None
+    assert samples.differences(block, "step 2/30 loss=3.9115 tok/s=99\n") is not None
+    assert samples.differences(block, "step 1/30 loss=3.9515 tok/s=99\n") is not None
+    assert samples.differences(block, "step 1/30 lost=3.9115 tok/s=99\n") is not None
+    stale = samples.Block("x.md", 1, "console", ["$ true", "units=[2, 2, 2, 2]", "..."])
+    assert samples.differences(stale, "units=[3, 1, 2, 2]\nmore\n") is not None
+    assert samples.differences(stale, "units=[2, 2, 2, 2]\nmore\n") is None
+
+
+def _deck_header_commands() -> list[tuple[str, list[str], int]]:
+    """(deck, hpcpipe arguments, ranks) of every command a deck's header comment shows."""
+    import re
+    import shlex
+
+    found = []
+    for deck in sorted((ROOT / "inputs").glob("*.toml")):
+        for line in deck.read_text(encoding="utf-8").splitlines():
+            m = re.search(r"((mpiexec -n \d+ )?hpcpipe (run|plan) .*)", line)
+            if not line.startswith("#") or m is None:
+                continue
+            words = shlex.split(m.group(1), comments=True)
+            ranks = int(words[2]) if words[0] == "mpiexec" else 1
+            found.append((deck.name, words[words.index("hpcpipe") + 1 :], ranks))
+    return found
+
+
+HEADER_COMMANDS = _deck_header_commands()
+
+
+@pytest.mark.parametrize(
+    ("deck", "args", "ranks"),
+    HEADER_COMMANDS,
+    ids=[f"{d}:{' '.join(a)}" for d, a, _ in HEADER_COMMANDS],
+)
+def test_commands_in_deck_headers_are_accepted(deck, args, ranks):
+    """What a deck's header suggests must run: `run` commands are checked as the job would
+    be (`--dry-run` on the same world, no MPI), `plan` commands run as shown."""
+    if args[0] == "run":
+        args = [*args, "--dry-run", "--world", str(ranks)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcpipe", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"{deck}: hpcpipe {' '.join(args)}\n{proc.stderr}"
