@@ -124,6 +124,7 @@ def _dry_run(config: Config, world: int | None) -> int:
     """`run --dry-run` outside a launcher (or with --world): every deck and workload check a
     job makes before communicating, for a world given or implied, without starting MPI."""
     from hpcpipe.preflight import check_deck, planning_world
+    from hpcpipe.runtime import layout_text
 
     n, note = planning_world(config, world)
     if note:
@@ -131,8 +132,8 @@ def _dry_run(config: Config, world: int | None) -> int:
     rpn = config.topology.ranks_per_node or min(n, 8)
     rankmap = check_deck(config, n, rpn, files=True)
     print(dump_toml(config), end="")
-    print(rankmap.describe())
-    if not config.topology.ranks_per_node:
+    print(layout_text(config, rankmap))
+    if not config.topology.ranks_per_node and config.run.workload != "sweep":
         print(f"(nodes: {rpn} rank(s) per node assumed; a launched job discovers them)")
     return 0
 

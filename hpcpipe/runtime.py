@@ -21,7 +21,7 @@ from hpcpipe.faults import maybe_fail
 from hpcpipe.mpi.watchdog import Watchdog
 from hpcpipe.topology import RankMap, TopologyError
 
-__all__ = ["WORKLOADS", "RunContext", "build_rankmap", "run_job"]
+__all__ = ["WORKLOADS", "RunContext", "build_rankmap", "layout_text", "run_job"]
 
 WORKLOADS: dict[str, str] = {
     "topology": "hpcpipe.topology_check:run",
@@ -106,6 +106,15 @@ def _fitting_worlds(config: Config, world: int) -> str:
         f"topology.pp * topology.ep = {topo.pp} * {topo.ep} = {unit} must divide the world size: "
         f"launch mpiexec -n {sizes} (any multiple of {unit}), or change [topology]"
     )
+
+
+def layout_text(config: Config, rankmap: RankMap) -> str:
+    """What a dry run shows of the layout: the KBA plan for a sweep, else the rank map."""
+    if config.run.workload == "sweep":
+        from hpcpipe.sweep.plan_view import deck_plan_text
+
+        return deck_plan_text(config.sweep)
+    return rankmap.describe()
 
 
 def _check_slurm(world: Any, config: Config) -> Any:
@@ -228,7 +237,7 @@ def _start_and_run(
     if dry_run:
         if world.rank == 0:
             print(dump_toml(config), end="")
-            print(rankmap.describe())
+            print(layout_text(config, rankmap))
         return 0
 
     output = _prepare_output(
@@ -250,9 +259,13 @@ def _start_and_run(
         resume=resume,
     )
     workload = _resolve_workload(config.run.workload)
+    if config.run.workload == "sweep":  # a sweep's layout is its KBA grid, not pp/dp/ep
+        layout = f"grid={config.sweep.px}x{config.sweep.py}"
+    else:
+        layout = f"pp={rankmap.pp} dp={rankmap.dp} ep={rankmap.ep}"
     ctx.log(
-        f"hpcpipe: workload={config.run.workload} world={world.size} "
-        f"pp={rankmap.pp} dp={rankmap.dp} ep={rankmap.ep} nodes={node_info.nodes}"
+        f"hpcpipe: workload={config.run.workload} world={world.size} {layout} "
+        f"nodes={node_info.nodes}"
         f"{' (virtual)' if node_info.virtual else ''} device={backend.kind} "
         f"mpi_cuda_aware={int(backend.cuda_aware)} output={output}"
     )

@@ -8,12 +8,13 @@ the order in which the octants' wavefronts cross it, so that is what is drawn. P
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from hpcpipe.sweep.plan import Simulation, SweepPlan, closed_form_stages
 
-__all__ = ["plan_text", "plot_plan", "stage_chart", "wavefront"]
+__all__ = ["deck_plan_text", "plan_text", "plot_plan", "stage_chart", "wavefront"]
 
 _OCTANT_COLOURS = (
     "#4c72b0",
@@ -113,6 +114,15 @@ def plan_text(plan: SweepPlan, sim: Simulation, *, octant_order: str, max_width:
         stage_chart(sim, max_width=max_width),
     ]
     return "\n".join(lines)
+
+
+def deck_plan_text(cfg: Any) -> str:
+    """`plan_text` of a `[sweep]` section (SweepConfig): what a dry run shows for a sweep."""
+    from hpcpipe.sweep.mesh import build_problem
+    from hpcpipe.sweep.plan import plan_for, simulate
+
+    plan = plan_for(cfg, build_problem(cfg))
+    return plan_text(plan, simulate(plan), octant_order=cfg.octant_order)
 
 
 def plot_plan(sim: Simulation, path: str | Path, *, title: str | None = None) -> Path:
