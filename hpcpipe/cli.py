@@ -98,11 +98,15 @@ def _execute_run(args: argparse.Namespace) -> int:
     config = _load(args)  # before MPI starts: every rank reads the same deck
     if args.overwrite and args.resume:
         raise ConfigError(
-            "--overwrite", "", "and --resume contradict each other: continue a run or replace it"
+            "command line",
+            "--overwrite",
+            "and --resume contradict each other: continue a run or replace it",
         )
     if args.world is not None and not args.dry_run:
         raise ConfigError(
-            "--world", "", "is for --dry-run: a real run's world is what the launcher started"
+            "command line",
+            "--world",
+            "is for --dry-run: a real run's world is what the launcher started",
         )
     if args.dry_run and (args.world is not None or not under_launcher()):
         return _dry_run(config, args.world)
