@@ -419,11 +419,25 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     return Config(source=source, sections=types.MappingProxyType(sections))
 
 
+def _toml_string(text: str) -> str:
+    """A TOML basic string that reads back as `text`, control characters included (written
+    raw, a newline or an escape byte would make the saved config.toml unreadable)."""
+    out = []
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(v)
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if v is None:
@@ -433,7 +447,8 @@ def _toml_value(v: Any) -> str:
 
 def dump_toml(config: Config) -> str:
     """The resolved deck as TOML (every key, defaults included): stored with every output."""
-    lines = [f"# resolved from {config.source}"]
+    source = "".join(ch if ch.isprintable() else "?" for ch in str(config.source))
+    lines = [f"# resolved from {source}"]
     for name, values in config.as_dict().items():
         lines.append(f"\n[{name}]")
         for key, value in values.items():

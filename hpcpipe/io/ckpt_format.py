@@ -29,7 +29,7 @@ __all__ = [
 
 FORMAT = "hpcpipe-checkpoint"
 SHARD_FORMAT = "hpcpipe-checkpoint-shard"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INDEX_FILE = "index.h5"
 SHARED_FILE = "data.h5"
 LIBVER = "v108"
@@ -439,6 +439,21 @@ def _tables_crc(tables: Mapping[str, np.ndarray]) -> int:
     return value & 0xFFFFFFFF
 
 
+def _attrs_crc(raw: Mapping[str, Any], value: int) -> int:
+    """CRC32 of every root attribute but `index_crc32`, as stored (name, dtype, shape, bytes):
+    the step, the optimizer step, the data position and the history live there, so they are
+    under the same checksum as the tables (format version 2 on)."""
+    for key in sorted(raw):
+        if key == "index_crc32":
+            continue
+        arr = np.asarray(raw[key])
+        if arr.dtype.kind == "O":  # variable-length text (not written by hpcpipe): as UTF-8
+            arr = np.frombuffer(str(raw[key]).encode("utf-8"), dtype=np.uint8)
+        value = zlib.crc32(f"{key}\0{arr.dtype.str}\0{arr.shape}\0".encode(), value)
+        value = zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8), value)
+    return value & 0xFFFFFFFF
+
+
 def write_index(
     path: Path,
     *,
@@ -452,7 +467,8 @@ def write_index(
     tensors: Sequence[TensorEntry],
     attrs: Mapping[str, Any],
 ) -> None:
-    """Write index.h5; the tables carry their own CRC32 so a flipped byte is caught on read."""
+    """Write index.h5; one CRC32 covers the tables and every attribute, so a flipped byte or an
+    edited value is caught on read."""
     encoded, codecs = encode_attrs(attrs)
     tables = _tables(step, checkpoint_id, layout, shards, tensors)
     with h5py.File(path, "w", libver=LIBVER) as f:
@@ -465,13 +481,15 @@ def write_index(
             "code_version": code_version,
             "layout": layout,
             "world_size": np.int64(world_size),
-            "index_crc32": np.uint32(_tables_crc(tables)),
             "attr_codecs": json.dumps(codecs, sort_keys=True),
         }
         for key, value in {**header, **encoded}.items():
             set_attr(f.attrs, key, value)
         for key in TABLES:
             f.create_dataset(key, data=tables[key])
+        # the checksum is taken over the attributes as stored, read back
+        stored = _attrs_crc(dict(f.attrs), _tables_crc(tables))
+        f.attrs["index_crc32"] = np.uint32(stored)
 
 
 def check_format(attrs: Mapping[str, Any], expected: str, path: Path) -> None:
@@ -522,14 +540,33 @@ def read_index(directory: Path) -> Index:
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"index attributes are damaged ({exc})", path=path) from None
     tables["_header"] = fixed_strings([f"{step}\0{checkpoint_id}\0{layout}"])
-    if _tables_crc(tables) != stored_crc:
+    computed = _tables_crc(tables)
+    if int(raw["format_version"]) >= 2:  # version 1 left the other attributes unchecked
+        computed = _attrs_crc(raw, computed)
+    if computed != stored_crc:
         raise CheckpointError(
-            "index checksum mismatch: index.h5 is corrupted (a flipped byte or a partial copy)",
+            "index checksum mismatch: index.h5 is corrupted or was edited (a flipped byte, a "
+            "partial copy, or a changed attribute)",
             path=path,
+        )
+    named = step_of_name(directory.name)
+    if named is not None and named != step:
+        raise CheckpointError(
+            f"the directory is named for step {named} but its index holds step {step}: it was "
+            "renamed or copied over another step; load it by its real step's name",
+            path=directory,
         )
     for key in ("shards/file", "tensors/name", "tensors/dtype", "slices/dataset"):
         tables[key] = np.array([_as_str(v) for v in tables[key]], dtype=object)
     return _build_index(directory, step, checkpoint_id, layout, attrs, tables)
+
+
+def step_of_name(name: str) -> int | None:
+    """The step a complete checkpoint directory's name says (`step_000100` -> 100), else None."""
+    import re
+
+    m = re.fullmatch(r"step_(\d{6,})", name)
+    return int(m.group(1)) if m else None
 
 
 def _as_str(value: Any) -> str:

@@ -34,7 +34,7 @@ from hpcpipe.io.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hpcpipe.io.ckpt_format import read_index
+from hpcpipe.io.ckpt_format import FORMAT_VERSION, read_index
 from hpcpipe.io.trace import EVENT_DTYPE, TraceFormatError, read_trace, save_trace
 from hpcpipe.model import ModelConfig
 from hpcpipe.sweep import mesh
@@ -234,8 +234,8 @@ def _damage_ckpt(step_dir: Path, corruption: str) -> tuple[Path, str]:
         flip_in_data(shard, dataset)
         return shard, "tensor 'w': CRC32 mismatch"
     if corruption == "version":
-        rewrite_attr(step_dir / "index.h5", "format_version", np.int64(2))
-        return step_dir / "index.h5", "format version 2 was written by a newer hpcpipe"
+        rewrite_attr(step_dir / "index.h5", "format_version", np.int64(FORMAT_VERSION + 1))
+        return step_dir / "index.h5", f"format version {FORMAT_VERSION + 1} was written by a newer"
     if corruption == "dtype":
         rebuild_file(shard, dataset, lambda v: v.astype(np.float32))
         return shard, f"dataset {dataset} is float32[3, 5], index says float64[3, 5]"
@@ -311,10 +311,10 @@ def test_damaged_training_checkpoint_replaces_nothing(tmp_path: Path, corruption
         entry = index.tensors["optim/m/unit0001/b"].slices[0]
         flip_in_data(index.shard_path(entry.shard), entry.dataset)
         expected = "tensor 'optim/m/unit0001/b': CRC32 mismatch"
-    else:  # not covered by the index checksum: checked by the restore itself
+    else:  # the index checksum covers the attributes too (format version 2)
         with h5py.File(path / "index.h5", "r+") as f:
             del f.attrs["optimizer_step"]
-        expected = "attribute 'optimizer_step' = None is not a step count"
+        expected = "index checksum mismatch"
     fresh, fresh_opt = _train_state(1)
     before, opt_before = {u: dict(p) for u, p in fresh[0].items()}, fresh_opt[0]
     ctx.resume = str(path)
@@ -539,7 +539,7 @@ def sweep_2x2_ckpt(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     ("corruption", "expected"),
     [
-        ("version", "index.h5: format version 2 was written by a newer hpcpipe"),
+        ("version", f"index.h5: format version {FORMAT_VERSION + 1} was written by a newer"),
         # only rank 3 reads its block: the job still ends with exit 2, naming shard and tensor
         ("bitflip", "shard_000003.h5: tensor 'flux/phi': CRC32 mismatch"),
     ],
@@ -549,7 +549,7 @@ def test_sweep_resume_from_damaged_checkpoint_exits_2(
 ):
     step = shutil.copytree(sweep_2x2_ckpt, tmp_path / "step_000010")
     if corruption == "version":
-        rewrite_attr(step / "index.h5", "format_version", np.int64(2))
+        rewrite_attr(step / "index.h5", "format_version", np.int64(FORMAT_VERSION + 1))
     else:
         flip_in_data(step / "shard_000003.h5", "r000003/s000000")
     args = _sets("sweep.px=2", "sweep.py=2", f"run.output='{tmp_path / 'run'}'")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hpcpipe.config import load_config
 from hpcpipe.io import ckpt_format
 from hpcpipe.io.checkpoint import (
+    FORMAT_VERSION,
     CheckpointError,
     ShardSpec,
     block_index,
@@ -137,7 +138,7 @@ def test_round_trip_every_dtype_and_attrs(tmp_path):
         else:
             assert back[key] == value and type(back[key]) is type(value), key
     assert back["step"] == 7 and back["format"] == "hpcpipe-checkpoint"
-    assert back["format_version"] == 1 and back["world_size"] == 1
+    assert back["format_version"] == FORMAT_VERSION and back["world_size"] == 1
     assert verify_checkpoint(path) == []
 
 

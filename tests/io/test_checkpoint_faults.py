@@ -23,7 +23,7 @@ from hpcpipe.io.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hpcpipe.io.ckpt_format import read_index
+from hpcpipe.io.ckpt_format import FORMAT_VERSION, read_index
 
 FULL = global_tensors(4)
 WHOLE = {name: ShardSpec(name, a.shape, a.dtype) for name, a in FULL.items()}
@@ -102,7 +102,14 @@ def test_missing_shard(ckpt):
     _others_still_load(ckpt, {"stage1/w", "stage1/b", "stage1/adam_m", "experts/w1", "cplx"})
 
 
+def test_index_of_another_step_is_caught_by_the_directory_name(ckpt, pristine):
+    shutil.copy(pristine / "step_000020" / "index.h5", ckpt / "index.h5")
+    with pytest.raises(CheckpointError, match="named for step 10 but its index holds step 20"):
+        load_checkpoint(ckpt, {"w": WHOLE["stage0/w"]})
+
+
 def test_index_from_another_checkpoint(ckpt, pristine):
+    ckpt = ckpt.rename(ckpt.with_name("copied_by_hand"))  # no step name to compare with
     shutil.copy(pristine / "step_000020" / "index.h5", ckpt / "index.h5")
     with pytest.raises(CheckpointError, match=r"shard belongs to checkpoint [0-9a-f]{32} but") as e:
         load_checkpoint(ckpt, {"w": WHOLE["stage0/w"]})
@@ -113,8 +120,9 @@ def test_index_from_another_checkpoint(ckpt, pristine):
 @pytest.mark.parametrize("target", ["index.h5", "shard_000000.h5"])
 def test_format_version_from_the_future(ckpt, target):
     with h5py.File(ckpt / target, "r+") as f:
-        f.attrs["format_version"] = np.int64(2)
-    with pytest.raises(CheckpointError, match="format version 2 was written by a newer") as e:
+        f.attrs["format_version"] = np.int64(FORMAT_VERSION + 1)
+    future = f"format version {FORMAT_VERSION + 1} was written by a newer"
+    with pytest.raises(CheckpointError, match=future) as e:
         load_checkpoint(ckpt, {"w": WHOLE["stage0/w"]})
     assert e.value.path == ckpt / target
 
