@@ -87,6 +87,15 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
         help="continue from the latest complete checkpoint of run.output (or PATH)",
     )
     p.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: accept a checkpoint written with another value of KEY (e.g. "
+        "optim.lr, or a whole section: optim); without it a change of the model, data, "
+        "optimizer, seed or precision is refused",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="start afresh where an earlier run wrote: delete its files in run.output and its "
@@ -102,6 +111,12 @@ def _execute_run(args: argparse.Namespace) -> int:
             "--overwrite",
             "and --resume contradict each other: continue a run or replace it",
         )
+    if args.allow_change:
+        from hpcpipe.train.checkpointing import check_allowed
+
+        if not args.resume:
+            raise ConfigError("command line", "--allow-change", "is for --resume")
+        check_allowed(tuple(args.allow_change), config)
     if args.world is not None and not args.dry_run:
         raise ConfigError(
             "command line",
@@ -110,15 +125,18 @@ def _execute_run(args: argparse.Namespace) -> int:
         )
     if args.dry_run and (args.world is not None or not under_launcher()):
         return _dry_run(config, args.world)
-    from hpcpipe.runtime import run_job
+    from hpcpipe.runtime import RunOptions, run_job
 
     return abort_on_error(
         lambda: run_job(
             config,
-            dry_run=args.dry_run,
-            verbose=args.verbose,
-            resume=args.resume,
-            overwrite=args.overwrite,
+            RunOptions(
+                dry_run=args.dry_run,
+                verbose=args.verbose,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                allow_changes=tuple(args.allow_change),
+            ),
         ),
         bad_input=(ConfigError,),
     )
@@ -362,7 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.execute(args)
     except ConfigError as exc:
         if launcher_rank() == 0:
-            print(f"ERROR: {exc}", file=sys.stderr, flush=True)
+            from hpcpipe.textsafe import printable
+
+            print(printable(f"ERROR: {exc}"), file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

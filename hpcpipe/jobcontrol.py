@@ -9,6 +9,7 @@ sweep runtimes both follow that protocol through the three names here.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,14 @@ from hpcpipe.config import ConfigError
 from hpcpipe.io.checkpoint import CheckpointError, latest_checkpoint, resolve_checkpoint
 from hpcpipe.signals import StopSignal, catch_stop_signals
 
-__all__ = ["STATES", "StopSignal", "catch_stop_signals", "find_checkpoint", "write_status"]
+__all__ = [
+    "STATES",
+    "StopSignal",
+    "catch_stop_signals",
+    "find_checkpoint",
+    "older_hint",
+    "write_status",
+]
 
 STATES = ("finished", "preempted", "not-converged")
 """Values of `state` in status.json: done, stopped on a signal (requeue), gave up (do not)."""
@@ -38,6 +46,20 @@ def write_status(output: Path, state: str, step: int, checkpoint: Path | None) -
     tmp.replace(output / "status.json")
 
 
+def older_hint(path: Path) -> str:
+    """What to say after a damaged checkpoint: the older complete ones beside it, if any."""
+    from hpcpipe.io.ckpt_store import older_checkpoints
+
+    older = older_checkpoints(Path(path))
+    if not older:
+        return ""
+    names = ", ".join(p.name for p in older)
+    return (
+        f"; older checkpoints here: {names} (newest first): check one with `hpcpipe ckpt "
+        f"verify {older[0]}` and resume from it with --resume {older[0]}"
+    )
+
+
 def find_checkpoint(comm: Any, where: str, directory: Path | None) -> Path:
     """Collective: the checkpoint `--resume` names, on every rank of `comm`.
 
@@ -47,17 +69,20 @@ def find_checkpoint(comm: Any, where: str, directory: Path | None) -> Path:
     """
     path: Path | ConfigError | None = None
     if comm.rank == 0:
+        notes: list[str] = []
         try:
             if where == "latest":
-                path = latest_checkpoint(directory) if directory is not None else None
+                path = latest_checkpoint(directory, notes) if directory is not None else None
                 if path is None:
                     path = ConfigError(
                         "--resume", "", f"found no complete checkpoint in {directory}"
                     )
             else:
-                path = resolve_checkpoint(where)
+                path = resolve_checkpoint(where, notes)
         except CheckpointError as exc:
             path = ConfigError("--resume", "", str(exc))
+        for note in notes:
+            print(f"WARNING: --resume: {note}", file=sys.stderr, flush=True)
     path = comm.bcast(path, root=0)
     if isinstance(path, Exception):
         raise path

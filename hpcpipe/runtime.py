@@ -21,7 +21,7 @@ from hpcpipe.faults import maybe_fail
 from hpcpipe.mpi.watchdog import Watchdog
 from hpcpipe.topology import RankMap, TopologyError
 
-__all__ = ["WORKLOADS", "RunContext", "build_rankmap", "layout_text", "run_job"]
+__all__ = ["WORKLOADS", "RunContext", "RunOptions", "build_rankmap", "layout_text", "run_job"]
 
 WORKLOADS: dict[str, str] = {
     "topology": "hpcpipe.topology_check:run",
@@ -43,6 +43,10 @@ class RunContext:
     verbose: bool = False
     resume: str | None = None
     """None, "latest" (the run directory's latest checkpoint) or a checkpoint path."""
+    allow_changes: tuple[str, ...] = ()
+    """Identity keys (or sections) a resume may find changed: `--allow-change`."""
+    changed: tuple[str, ...] = ()
+    """Identity keys the resumed checkpoint had other values of (allowed by --allow-change)."""
     started: float = field(default_factory=time.perf_counter)
     watchdog: Watchdog = field(default_factory=lambda: Watchdog(0))
     """Arm it around each step (`with ctx.watchdog.phase(...)`): a hang becomes a report."""
@@ -173,14 +177,19 @@ def _resolve_workload(name: str) -> Callable[[RunContext], Any]:
     return getattr(importlib.import_module(module), func)
 
 
-def run_job(
-    config: Config,
-    *,
-    dry_run: bool = False,
-    verbose: bool = False,
-    resume: str | None = None,
-    overwrite: bool = False,
-) -> int:
+@dataclass(frozen=True)
+class RunOptions:
+    """How `hpcpipe run` was asked to run the deck (its command-line flags)."""
+
+    dry_run: bool = False
+    verbose: bool = False
+    resume: str | None = None
+    """None, "latest" or a checkpoint path (--resume)."""
+    overwrite: bool = False
+    allow_changes: tuple[str, ...] = ()
+
+
+def run_job(config: Config, options: RunOptions | None = None) -> int:
     """Run `config`'s workload on the current MPI world; returns the exit code."""
     from hpcpipe.mpi.guard import prepare
 
@@ -188,24 +197,14 @@ def run_job(
     with Watchdog(config.run.watchdog_s) as watchdog:
         # start-up is collectives only (no rank computes): a minute covers any sane launch
         watchdog.arm("start-up", _startup_where, limit_s=max(60.0, config.run.watchdog_s))
-        return _start_and_run(
-            config, watchdog, dry_run=dry_run, verbose=verbose, resume=resume, overwrite=overwrite
-        )
+        return _start_and_run(config, watchdog, options or RunOptions())
 
 
 def _startup_where() -> str:
     return "start-up: MPI set-up, deck and allocation checks, run directory (collectives)"
 
 
-def _start_and_run(
-    config: Config,
-    watchdog: Watchdog,
-    *,
-    dry_run: bool,
-    verbose: bool,
-    resume: str | None,
-    overwrite: bool,
-) -> int:
+def _start_and_run(config: Config, watchdog: Watchdog, options: RunOptions) -> int:
     from mpi4py import MPI
 
     from hpcpipe.mpi.comms import build_comms, discover_nodes
@@ -217,7 +216,7 @@ def _start_and_run(
     slurm = _check_slurm(world, config)
     topo = config.topology
     node_info, node_comm = discover_nodes(world, topo.ranks_per_node)
-    rankmap = check_deck(config, world.size, node_info.ranks_per_node, files=dry_run)
+    rankmap = check_deck(config, world.size, node_info.ranks_per_node, files=options.dry_run)
     if world.rank == 0:
         if not node_info.virtual:
             warning = slurm_nodes_warning(slurm, node_info.nodes)
@@ -234,14 +233,14 @@ def _start_and_run(
                 file=sys.stderr,
                 flush=True,
             )
-    if dry_run:
+    if options.dry_run:
         if world.rank == 0:
             print(dump_toml(config), end="")
             print(layout_text(config, rankmap))
         return 0
 
     output = _prepare_output(
-        config, world, node_comm, resume=resume is not None, overwrite=overwrite
+        config, world, node_comm, resume=options.resume is not None, overwrite=options.overwrite
     )
     device = config.device
     try:
@@ -255,8 +254,9 @@ def _start_and_run(
         comms=comms,
         backend=backend,
         output=output,
-        verbose=verbose,
-        resume=resume,
+        verbose=options.verbose,
+        resume=options.resume,
+        allow_changes=options.allow_changes,
     )
     workload = _resolve_workload(config.run.workload)
     if config.run.workload == "sweep":  # a sweep's layout is its KBA grid, not pp/dp/ep

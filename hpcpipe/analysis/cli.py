@@ -102,6 +102,8 @@ def _output(path: str, flag: str) -> Path:
 
 
 def _execute(args: argparse.Namespace) -> int:
+    from hpcpipe.textsafe import printable
+
     action = args.trace_action
     try:
         if action == "summary":
@@ -110,7 +112,7 @@ def _execute(args: argparse.Namespace) -> int:
             trace = _load(args.trace)
             out = _output(args.json, "--json") if args.json else None
             summary = summarize(trace, args.threshold, args.step)
-            print(format_summary(summary))
+            print(printable(format_summary(summary)))
             if out is not None:
                 out.write_text(summary.to_json() + "\n", encoding="utf-8")
         elif action == "export":
@@ -139,13 +141,13 @@ def _execute(args: argparse.Namespace) -> int:
             out = _output(args.json, "--json") if args.json else None
             summaries = [summarize(_load(path), args.threshold) for path in args.traces]
             text, rows = table_rows(summaries)
-            print(text)
+            print(printable(text))
             if out is not None:
                 out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
         else:
             from hpcpipe.analysis.compare import compare
 
-            print(compare(_load(args.a), _load(args.b), args.threshold))
+            print(printable(compare(_load(args.a), _load(args.b), args.threshold)))
     except ValueError as exc:  # bad --step, threshold, ...; ConfigError passes through
         if isinstance(exc, ConfigError):
             raise

@@ -264,6 +264,21 @@ def _shared_space_problem(tmp: Path, metas: list[list[tuple]]) -> str | None:
     return None
 
 
+def _shards_space_problem(tmp: Path, sizes: list[tuple[int, int]], final: Path) -> str | None:
+    """Why all shards together cannot fit in `tmp` (None if they can), said for the whole
+    checkpoint: the writers' shard files share the directory's file system."""
+    from hpcpipe.io.space import HEADROOM_BYTES
+
+    writers = sum(1 for nbytes, count in sizes if count)
+    total = sum(nbytes for nbytes, _ in sizes) + HEADROOM_BYTES * max(0, writers - 1)
+    count = sum(c for _, c in sizes)
+    try:
+        ensure_space(tmp, total, f"checkpoint {final} ({writers} shard file(s) together)", count)
+    except OSError as exc:
+        return _describe_failure(0, exc)
+    return None
+
+
 def _attrs_bytes(attrs: Mapping[str, Any] | None) -> int:
     """Rough size of the index's attributes (the tables are covered by the headroom)."""
     return sum(len(str(v)) for v in (attrs or {}).values())
@@ -413,6 +428,19 @@ def save_checkpoint(
         shard_meta = [(r, 0, m) for r, m in enumerate(metas)]
         outcomes = comm.gather(("ok", None), root=0)
     else:
+        # one space check for all shards together, before any is written: each rank's alone
+        # would pass while the shards together overflow the shared file system (HDF5 then
+        # dies with SIGSEGV on ENOSPC instead of raising)
+        mine = (sum(int(s.array.nbytes) for s in slices), len(slices)) if writer else (0, 0)
+        sizes = comm.allgather(mine if local[0] == "ok" else (0, 0))
+        problem = None
+        if rank == 0:
+            problem = _shards_space_problem(tmp, sizes, final)
+        problem = comm.bcast(problem, root=0)
+        if problem:
+            if rank == 0:
+                _discard(tmp)
+            raise CheckpointError(f"checkpoint {final} not written: {problem}")
         if local[0] == "ok" and writer:
             try:
                 local = ("ok", _write_shard(tmp, rank, step, checkpoint_id, slices, fsync))

@@ -42,7 +42,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _error(message: object) -> None:
-    print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    from hpcpipe.textsafe import printable
+
+    print(printable(f"ERROR: {message}"), file=sys.stderr, flush=True)
 
 
 def _execute(args: argparse.Namespace) -> int:
@@ -54,11 +56,15 @@ def _execute(args: argparse.Namespace) -> int:
         verify_checkpoint,
     )
     from hpcpipe.io.ckpt_read import describe_totals
+    from hpcpipe.textsafe import printable
 
+    notes: list[str] = []
     try:  # what cannot be opened at all is bad input (exit 2)
-        step_dir = resolve_checkpoint(args.path)
+        step_dir = resolve_checkpoint(args.path, notes)
+        for note in notes:
+            print(printable(f"WARNING: {note}"), file=sys.stderr, flush=True)
         if args.ckpt_verb == "inspect":
-            print(inspect_checkpoint(step_dir, slices=args.slices))
+            print(printable(inspect_checkpoint(step_dir, slices=args.slices)))
             return 0
         step, ntensors, nslices, nbytes = describe_totals(step_dir)
         if args.ckpt_verb == "convert" and Path(args.out).exists() and not args.force:
@@ -70,9 +76,9 @@ def _execute(args: argparse.Namespace) -> int:
     if args.ckpt_verb == "verify":
         problems = verify_checkpoint(step_dir)
         if problems:
-            print(f"FAILED: {step_dir} (step {step}): {len(problems)} problem(s)")
+            print(printable(f"FAILED: {step_dir} (step {step}): {len(problems)} problem(s)"))
             for problem in problems:
-                print(f"  {problem}")
+                print(printable(f"  {problem}"))
             return EXIT_RUNTIME
         print(
             f"OK: {step_dir} (step {step}): {ntensors} tensors, {nslices} slices, "

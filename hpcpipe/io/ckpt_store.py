@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hpcpipe.io.ckpt_format import INDEX_FILE, CheckpointError
 
-__all__ = ["latest_checkpoint", "owned_names", "resolve_checkpoint"]
+__all__ = ["latest_checkpoint", "older_checkpoints", "owned_names", "resolve_checkpoint"]
 
 LATEST = "latest"
 CHECKPOINTS_DIR = "checkpoints"
@@ -84,26 +84,48 @@ def _checkpoints_dir(root: Path) -> Path:
     return sub if sub.is_dir() else root
 
 
-def latest_checkpoint(root: Path | str) -> Path | None:
+def latest_checkpoint(root: Path | str, notes: list[str] | None = None) -> Path | None:
     """The newest complete checkpoint under a checkpoints (or run) directory, or None.
 
-    Follows `latest` when it names a complete step directory; otherwise (missing, stale, or
-    damaged pointer) falls back to the highest complete `step_*`. `*.tmp` is never returned.
+    Follows `latest` when it names a complete step directory of this directory; otherwise
+    falls back to the highest complete `step_*` and, when `latest` exists but could not be
+    followed (a missing target, a symbolic link, a loop, a name outside the directory, unreadable
+    bytes), appends to `notes` what was wrong and what was used instead, for the caller to
+    print. `*.tmp` is never returned.
     """
     base = _checkpoints_dir(Path(root))
     pointer = base / LATEST
-    try:
-        name = pointer.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        name = ""
-    if _STEP_RE.fullmatch(name) and _is_complete(base / name):
-        return base / name
+    problem = None
+    if pointer.is_symlink():  # hpcpipe writes a plain file: a link was put there by hand
+        problem = "is a symbolic link, not the plain file hpcpipe writes"
+    elif pointer.exists():
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            problem = f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+        else:
+            if _STEP_RE.fullmatch(name) and _is_complete(base / name):
+                return base / name
+            problem = f"names {name[:80]!r}, which is not a complete checkpoint in {base}"
     steps = complete_steps(base)
+    if problem and notes is not None:
+        instead = f"using the newest complete one, {steps[-1].name}" if steps else "none found"
+        notes.append(f"{pointer} {problem}; {instead}")
     return steps[-1] if steps else None
 
 
-def resolve_checkpoint(path: Path | str) -> Path:
-    """A step directory from a step, checkpoints or run directory (the CLI's PATH)."""
+def older_checkpoints(path: Path, limit: int = 3) -> list[Path]:
+    """Complete checkpoints beside `path` with a lower step, newest first."""
+    step = step_of(path)
+    if step is None:
+        return []
+    older = [p for p in complete_steps(path.parent) if (step_of(p) or 0) < step]
+    return older[::-1][:limit]
+
+
+def resolve_checkpoint(path: Path | str, notes: list[str] | None = None) -> Path:
+    """A step directory from a step, checkpoints or run directory (the CLI's PATH); what
+    `latest_checkpoint` notes about a broken `latest` goes to `notes`."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError("no such file or directory", path=path)
@@ -115,7 +137,7 @@ def resolve_checkpoint(path: Path | str) -> Path:
         raise CheckpointError(
             "not a checkpoint: expected a step, checkpoints or run directory", path=path
         )
-    found = latest_checkpoint(path)
+    found = latest_checkpoint(path, notes)
     if found is None:
         raise CheckpointError(
             f"no complete checkpoint here (looked for {LATEST}, step_*/{INDEX_FILE}, and "

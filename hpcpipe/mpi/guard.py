@@ -15,6 +15,8 @@ import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
+from hpcpipe.textsafe import printable
+
 T = TypeVar("T")
 
 EXIT_RUNTIME = 1
@@ -67,9 +69,9 @@ def abort_on_error(fn: Callable[[], T], *, bad_input: tuple[type[BaseException],
     except bad_input as exc:
         if _everyone_failed():
             if launcher_rank() == 0:
-                print(f"ERROR: {exc}", file=sys.stderr, flush=True)
+                print(printable(f"ERROR: {exc}"), file=sys.stderr, flush=True)
             sys.exit(EXIT_BAD_INPUT)
-        print(f"{rank_prefix()} ERROR: {exc}", file=sys.stderr, flush=True)
+        print(printable(f"{rank_prefix()} ERROR: {exc}"), file=sys.stderr, flush=True)
         _abort(EXIT_BAD_INPUT)
         raise  # unreachable: Abort does not return
     except BaseException as exc:  # the job's last line of defence

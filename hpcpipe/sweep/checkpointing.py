@@ -171,7 +171,9 @@ def _read(
         wanted.update({name: ShardSpec.whole(name, (n,), np.float64) for name in HISTORY})
         return load_checkpoint(path, wanted), attrs
     except CheckpointError as exc:
-        raise ConfigError("--resume", "", str(exc)) from None
+        from hpcpipe.jobcontrol import older_hint
+
+        raise ConfigError("--resume", "", str(exc) + older_hint(path)) from None
 
 
 def _agree(comm: Any, error: ConfigError | None) -> None:

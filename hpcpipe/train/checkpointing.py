@@ -28,7 +28,7 @@ from hpcpipe.io.checkpoint import (
     read_attrs,
     save_checkpoint,
 )
-from hpcpipe.jobcontrol import find_checkpoint
+from hpcpipe.jobcontrol import find_checkpoint, older_hint
 from hpcpipe.moe.layer import is_expert_param
 from hpcpipe.runtime import RunContext
 from hpcpipe.train.optim import OptimState
@@ -36,6 +36,89 @@ from hpcpipe.train.optim import OptimState
 __all__ = ["restore", "save"]
 
 FORMAT_TAG = "hpcpipe-train"
+
+IDENTITY_SECTIONS = ("model", "data", "optim", "moe")
+IDENTITY_KEYS = ("run.seed", "device.dtype")
+"""What determines a training run's trajectory, besides the step: the model, the data and its
+order, the optimizer, the seed and the arithmetic precision. A resume compares them with the
+checkpoint's; the layout, schedule, microbatching, cadence and outputs may change freely."""
+
+
+def run_identity(config: Any) -> dict[str, Any]:
+    """The deck's identity keys, flattened (`optim.lr`) to JSON values."""
+    out: dict[str, Any] = {}
+    plain = json.loads(json.dumps(config.as_dict(), default=str))
+    for section in IDENTITY_SECTIONS:
+        for key, value in (plain.get(section) or {}).items():
+            out[f"{section}.{key}"] = value
+    for dotted in IDENTITY_KEYS:
+        section, key = dotted.split(".")
+        out[dotted] = (plain.get(section) or {}).get(key)
+    return out
+
+
+def _saved_identity(attrs: dict[str, Any]) -> dict[str, Any] | None:
+    """The identity a checkpoint was written with (older ones: read off its stored deck)."""
+    if isinstance(attrs.get("identity"), dict):
+        return attrs["identity"]
+    text = attrs.get("config")
+    if not isinstance(text, str):
+        return None
+    import tomllib
+
+    try:
+        deck = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return None
+    out = {f"{s}.{k}": v for s in IDENTITY_SECTIONS for k, v in (deck.get(s) or {}).items()}
+    for dotted in IDENTITY_KEYS:
+        section, key = dotted.split(".")
+        out[dotted] = (deck.get(section) or {}).get(key)
+    return json.loads(json.dumps(out, default=str))
+
+
+def check_identity(
+    path: Path, attrs: dict[str, Any], config: Any, allowed: tuple[str, ...]
+) -> list[str]:
+    """Refuse to continue another run's checkpoint: name every identity key that differs
+    (unless `--allow-change` names it or its section) and how to proceed. Returns the keys
+    that differ and were allowed to."""
+    saved = _saved_identity(attrs)
+    if saved is None:
+        return []
+    now = run_identity(config)
+
+    def free(key: str) -> bool:
+        return key in allowed or key.split(".")[0] in allowed
+
+    differ = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
+    changed = [k for k in differ if not free(k)]
+    if not changed:
+        return differ
+    detail = "; ".join(f"{k} = {saved[k]!r} there, {now[k]!r} here" for k in changed[:6])
+    more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
+    flags = " ".join(f"--allow-change {k}" for k in changed[:6])
+    raise ConfigError(
+        "--resume",
+        "",
+        f"{path} was written by a run with other settings: {detail}{more}. Continuing it would "
+        "mix two trajectories: resume with the deck that wrote it, or, if the change is "
+        f"intended, add {flags}",
+    )
+
+
+def check_allowed(allowed: tuple[str, ...], config: Any) -> None:
+    """`--allow-change` must name an identity key or section (a typo would allow nothing)."""
+    known = set(IDENTITY_SECTIONS) | set(run_identity(config))
+    for key in allowed:
+        if key in known:
+            continue
+        raise ConfigError(
+            "command line",
+            "--allow-change",
+            f"{key!r} is not compared on resume; the compared keys are the sections "
+            f"{', '.join(IDENTITY_SECTIONS)} and {', '.join(IDENTITY_KEYS)}",
+        )
 
 
 HISTORY = "history/"
@@ -104,6 +187,7 @@ def _index_attrs(
     cfg = ctx.config
     return {
         "producer": FORMAT_TAG,
+        "identity": run_identity(cfg),
         "config": dump_toml(cfg),
         "topology": json.dumps(
             {"world": ctx.size, **ctx.rankmap.dims, "order": list(ctx.rankmap.order)}
@@ -136,20 +220,26 @@ def _int_attr(path: Path, attrs: dict[str, Any], key: str) -> int:
 
 
 def _read_state(
-    path: Path, params: dict[int, Any], opt_state: dict[int, OptimState], rank: int
+    path: Path,
+    params: dict[int, Any],
+    opt_state: dict[int, OptimState],
+    rank: int,
+    ctx: RunContext | None = None,
 ) -> tuple[dict[str, np.ndarray], int, int, dict[str, list[float]], Any]:
     """Everything a resume needs, read and checked (every CRC32, shape, dtype and attribute);
     nothing is applied, so a bad checkpoint leaves the freshly built model untouched."""
     try:
         attrs = read_attrs(path)
     except CheckpointError as exc:
-        raise ConfigError("--resume", "", str(exc)) from None
+        raise ConfigError("--resume", "", str(exc) + older_hint(path)) from None
     if attrs.get("producer") not in (None, FORMAT_TAG):
         raise ConfigError(
             "--resume",
             "",
             f"{path} was written by {attrs.get('producer')!r}, not by a training run",
         )
+    if ctx is not None:
+        ctx.changed = tuple(check_identity(path, attrs, ctx.config, ctx.allow_changes))
     step = _int_attr(path, attrs, "data_position")
     optimizer_step = _int_attr(path, attrs, "optimizer_step")
     try:
@@ -171,7 +261,7 @@ def _read_state(
     try:
         loaded = load_checkpoint(path, wanted)
     except CheckpointError as exc:
-        raise ConfigError("--resume", "", str(exc)) from None
+        raise ConfigError("--resume", "", str(exc) + older_hint(path)) from None
     for key in keys if rank == 0 else ():
         history[key] = loaded.pop(HISTORY + key).tolist()
     return loaded, step, optimizer_step, history, topology
@@ -203,7 +293,7 @@ def restore(
     path = find_checkpoint(world, ctx.resume, ctx.config.checkpoint.directory(ctx.output))
     error, state = None, None
     try:
-        state = _read_state(path, params, opt_state, world.rank)
+        state = _read_state(path, params, opt_state, world.rank, ctx)
     except ConfigError as exc:
         error = exc
     _agree(world, error)

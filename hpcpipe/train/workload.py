@@ -303,7 +303,13 @@ class Trainer:
             _write_metrics(ctx.output / "metrics.h5", self.history, cfg, timing)
             if cfg.train.save_params:
                 _write_params(ctx.output / "params.h5", final)
-        if cfg.train.verify and complete and ctx.rank == 0:
+        if cfg.train.verify and complete and ctx.changed:
+            ctx.log(
+                "verify skipped: this run continued a checkpoint written with other "
+                f"{', '.join(ctx.changed)} (--allow-change), which no single-process "
+                "reference retraces"
+            )
+        elif cfg.train.verify and complete and ctx.rank == 0:
             _verify(ctx, self.history["loss"], final, self.m)
         ctx.comms.world.Barrier()
         if self.group is not None:
