@@ -20,6 +20,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpcpipe.config import Config, ConfigError, dump_toml
 from hpcpipe.topology import RankMap
@@ -248,12 +249,40 @@ def _check_train_memory(config: Config, rankmap: RankMap, rows_mb: int) -> None:
 # ---------------------------------------------------------------- sweep
 
 
+def _check_sweep_physics(cfg: Any, source: str) -> None:
+    """A deck that cannot converge is refused now, not after minutes of iterations: scattering
+    beyond the total cross section (negative absorption; there is no fission model) and a
+    tolerance of zero (the change per iteration stops at round-off). The library itself
+    accepts both, for studies of the solver."""
+    if not cfg.tolerance > 0:
+        raise ConfigError(
+            source,
+            "sweep.tolerance",
+            f"= {cfg.tolerance:g} can never be reached (the change per iteration stops at "
+            "round-off, about 1e-15): use a positive value such as 1e-10",
+        )
+    for m, (totals, rows) in enumerate(zip(cfg.sigma_t, cfg.sigma_s, strict=True)):
+        for g, (total, row) in enumerate(zip(totals, rows, strict=True)):
+            out = sum(row)
+            if out > total * (1 + 1e-12):
+                ratio = f"{out / total:.3g}" if total else "infinite"
+                raise ConfigError(
+                    source,
+                    "sweep.sigma_s",
+                    f"material {m} scatters {out:g} out of group {g}, more than its sigma_t "
+                    f"there ({total:g}; scattering ratio c = {ratio} > 1): absorption would "
+                    "be negative and source iteration diverges. The row sum of sigma_s must "
+                    "not exceed sigma_t (there is no fission model)",
+                )
+
+
 def _check_sweep(config: Config, rankmap: RankMap, files: bool) -> None:
     """The sweep workload's checks: rank grid, problem size, quadrature and KBA plan."""
     from hpcpipe.sweep.mesh import build_problem
     from hpcpipe.sweep.plan import PlanError, plan_for, validate
 
     cfg, source = config.sweep, config.source
+    _check_sweep_physics(cfg, source)
     if cfg.plot:  # found now, not after the whole sweep has run
         from hpcpipe.plotting import require_matplotlib
 

@@ -303,6 +303,7 @@ def test_damaged_training_checkpoint_replaces_nothing(tmp_path: Path, corruption
         xp=np,
         log=lambda _m: None,
         resume=None,
+        allow_changes=(),
     )
     params, opt = _train_state(0)
     path = train_ckpt.save(ctx, 5, params, opt, {"loss": [1.0] * 5})
