@@ -80,10 +80,19 @@ def abort_on_error(fn: Callable[[], T], *, bad_input: tuple[type[BaseException],
         raise  # unreachable: Abort does not return
 
 
+ABORT_GRACE_S = 0.5
+"""Between a rank's report and MPI_Abort: the launcher forwards output through pipes, and an
+abort that kills the job at once can lose the report still in them (seen with MPICH's hydra
+on a loaded machine: exit 1 and an empty stderr)."""
+
+
 def _abort(code: int) -> None:
     from mpi4py import MPI
 
+    sys.stdout.flush()
+    sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized():
+        time.sleep(ABORT_GRACE_S)
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)
 
