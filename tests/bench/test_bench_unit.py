@@ -219,3 +219,31 @@ def test_the_lowered_message_order_can_cost_time():
     schedule = build_schedule("interleaved-1f1b", 2, 8)
     costs = CostModel()
     assert replay_in_order(validate(schedule), costs) > 1.1 * simulate(schedule, costs).makespan
+
+
+def test_targets_are_a_column_and_results_carry_their_commit(tmp_path):
+    """A missed target is shown as `wanted` beside `got`, never as an alarming verdict line,
+    and every result file records the commit and date it was measured on."""
+    import json
+
+    from hpcpipe.bench.table import Column, Report, read_report
+
+    report = Report("demo", ["a demo"], [Column("x", "x", "d")])
+    report.add({"x": 1})
+    report.target("mailbox / raw (worst size)", "<= 1.05", "1.204", False, "median 1.05")
+    text = report.render()
+    assert "MISSED" not in text and "FAIL" not in text
+    assert text.splitlines()[-2].split() == ["#", "target", "wanted", "got"]
+    last = text.splitlines()[-1]
+    assert last.startswith("# mailbox / raw (worst size)") and last.split()[-5:] == [
+        "<=",
+        "1.05",
+        "1.204",
+        "median",
+        "1.05",
+    ]
+    path = report.write(tmp_path / "r.json")
+    data = json.loads(path.read_text())
+    assert set(data["measured"]) == {"commit", "dirty", "date"} and data["measured"]["date"]
+    back, _ = read_report(path)
+    assert back.render() == text and back.targets[0].met is False
