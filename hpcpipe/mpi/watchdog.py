@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from hpcpipe.mpi.guard import EXIT_RUNTIME, rank_prefix
+from hpcpipe.mpi.guard import ABORT_GRACE_S, EXIT_RUNTIME, rank_prefix
 
 __all__ = ["Watchdog"]
 
@@ -141,6 +141,9 @@ def _mpi_abort(code: int) -> None:
     backstop.start()
     from mpi4py import MPI
 
+    sys.stdout.flush()
+    sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized():
+        time.sleep(ABORT_GRACE_S)  # let the launcher forward every rank's report first
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)
