@@ -51,10 +51,21 @@ def _stamp(data: dict[str, Any]) -> str:
 
 
 def changes_since(commit: str) -> int | None:
-    """Commits after `commit` that touch the code a figure describes (None: unknown commit)."""
+    """Commits after `commit` that touch the code a figure describes (None: unknown commit):
+    hpcpipe/ and the benchmark scripts, not the results or this writer."""
     try:
         out = subprocess.run(
-            ["git", "rev-list", "--count", f"{commit}..HEAD", "--", "hpcpipe", "benchmarks"],
+            [
+                "git",
+                "rev-list",
+                "--count",
+                f"{commit}..HEAD",
+                "--",
+                "hpcpipe",
+                "benchmarks",
+                ":(exclude)benchmarks/results",  # the figures themselves
+                ":(exclude)benchmarks/report.py",  # the page writer measures nothing
+            ],
             cwd=ROOT,
             capture_output=True,
             text=True,
