@@ -2,6 +2,7 @@
 
     python benchmarks/report.py              # after the figure scripts (or run_all.py)
     python benchmarks/report.py --check      # exit 1 if a page's tables differ from the results
+    python benchmarks/report.py --strict     # ... or if a result is older than its code
 
 A block is the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; NAME is a
 results file (its command and table, exactly as printed when it ran), `machine` (where the
@@ -31,23 +32,32 @@ def _load(name: str) -> tuple[Any, dict[str, Any]] | None:
 
 
 def _stamp(data: dict[str, Any]) -> str:
-    """Which commit a result was measured on, and whether the code has moved on since."""
+    """Which commit and day a result was measured on (what a page may say without going stale
+    itself; whether the code has moved on since is for `stale`, asked when the page is read)."""
     measured = data.get("measured") or {}
     commit, date = measured.get("commit"), measured.get("date", "")
     if not commit:
-        return "# measured on: an unrecorded commit (older than the code: rerun the benchmark)"
-    line = (
-        f"# measured on commit {commit[:10]}{' + local changes' if measured.get('dirty') else ''}"
-    )
-    line += f", {date[:10]}"
-    later = changes_since(commit)
-    if later is None:
-        return line + " (that commit is not in this history: rerun the benchmark)"
-    if later:
-        return (
-            line + f"; OLDER than the code: {later} later commit(s) change hpcpipe/ or benchmarks/"
-        )
-    return line + "; the code has not changed since"
+        return "# measured on: an unrecorded commit (rerun the benchmark)"
+    local = " + local changes" if measured.get("dirty") else ""
+    return f"# measured on commit {commit[:10]}{local}, {date[:10]}"
+
+
+def stale() -> list[str]:
+    """Results measured before the code they describe last changed, one line each."""
+    found = []
+    for path in sorted(RESULTS.glob("*.json")):
+        try:
+            data = _load(path.stem)
+        except ValueError:
+            continue
+        if data is None:
+            continue
+        commit = (data[1].get("measured") or {}).get("commit")
+        later = changes_since(commit) if commit else None
+        if commit is None or later:
+            why = "no commit recorded" if commit is None else f"{later} later code commit(s)"
+            found.append(f"{path.relative_to(ROOT)}: older than the code ({why})")
+    return found
 
 
 def changes_since(commit: str) -> int | None:
@@ -130,9 +140,6 @@ def summary_block() -> str:
         report, data = loaded
         commit = (data.get("measured") or {}).get("commit")
         when = commit[:10] if commit else "unrecorded"
-        later = changes_since(commit) if commit else None
-        if commit and later:
-            when += f" (older than the code by {later} commit(s))"
         for t in report.targets:
             got = f"{t.got} ({t.detail})" if t.detail else t.got
             out.append(f"| {name} | {t.what} | {t.want} | {got} | {when} |")
@@ -161,9 +168,14 @@ def main() -> int:
     ap.add_argument(
         "--check", action="store_true", help="exit 1 if a page differs from the results"
     )
+    ap.add_argument(
+        "--strict",
+        action="store_true",
+        help="also exit 1 when a result is older than the code it describes",
+    )
     args = ap.parse_args()
     pages = [Path(p) for p in args.pages] or sorted((ROOT / "docs").glob("*.md"))
-    stale = []
+    differ = []
     for doc in pages:
         text = doc.read_text(encoding="utf-8")
         blocks = len(BLOCK.findall(text))
@@ -173,17 +185,20 @@ def main() -> int:
         shown = doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc
         if args.check:
             if new != text:
-                stale.append(str(shown))
+                differ.append(str(shown))
             continue
         doc.write_text(new, encoding="utf-8")
         print(f"updated {blocks} block(s) of {shown}")
-    if stale:
+    old = stale()
+    for line in old:
+        print(f"STALE: {line}: rerun its benchmark (python benchmarks/run_all.py --only ...)")
+    if differ:
         print(
-            f"not rendered from benchmarks/results: {', '.join(stale)} "
+            f"not rendered from benchmarks/results: {', '.join(differ)} "
             "(run python benchmarks/report.py)"
         )
         return 1
-    return 0
+    return 1 if args.strict and old else 0
 
 
 if __name__ == "__main__":

@@ -44,17 +44,18 @@ order, the optimizer, the seed and the arithmetic precision. A resume compares t
 checkpoint's; the layout, schedule, microbatching, cadence and outputs may change freely."""
 
 
-def run_identity(config: Any) -> dict[str, Any]:
-    """The deck's identity keys, flattened (`optim.lr`) to JSON values."""
-    out: dict[str, Any] = {}
-    plain = json.loads(json.dumps(config.as_dict(), default=str))
-    for section in IDENTITY_SECTIONS:
-        for key, value in (plain.get(section) or {}).items():
-            out[f"{section}.{key}"] = value
+def _identity_of(deck: dict[str, Any]) -> dict[str, Any]:
+    """The identity keys of a deck given as plain sections ({"optim": {"lr": ...}, ...})."""
+    out = {f"{s}.{k}": v for s in IDENTITY_SECTIONS for k, v in (deck.get(s) or {}).items()}
     for dotted in IDENTITY_KEYS:
         section, key = dotted.split(".")
-        out[dotted] = (plain.get(section) or {}).get(key)
-    return out
+        out[dotted] = (deck.get(section) or {}).get(key)
+    return json.loads(json.dumps(out, default=str))  # tuples as lists, as TOML reads them
+
+
+def run_identity(config: Any) -> dict[str, Any]:
+    """The deck's identity keys, flattened (`optim.lr`) to JSON values."""
+    return _identity_of(config.as_dict())
 
 
 def _saved_identity(attrs: dict[str, Any]) -> dict[str, Any] | None:
@@ -67,14 +68,9 @@ def _saved_identity(attrs: dict[str, Any]) -> dict[str, Any] | None:
     import tomllib
 
     try:
-        deck = tomllib.loads(text)
+        return _identity_of(tomllib.loads(text))
     except tomllib.TOMLDecodeError:
         return None
-    out = {f"{s}.{k}": v for s in IDENTITY_SECTIONS for k, v in (deck.get(s) or {}).items()}
-    for dotted in IDENTITY_KEYS:
-        section, key = dotted.split(".")
-        out[dotted] = (deck.get(section) or {}).get(key)
-    return json.loads(json.dumps(out, default=str))
 
 
 def check_identity(
