@@ -209,7 +209,8 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _execute_plan(args: argparse.Namespace) -> int:
-    from hpcpipe.preflight import check_paths, planning_world
+    from hpcpipe.checks import check_paths
+    from hpcpipe.preflight import planning_world
 
     config = _load(args)
     check_paths(config)  # a FIFO as schedule_csv would block the read below forever

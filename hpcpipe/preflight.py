@@ -1,5 +1,6 @@
 """What can be checked before a job does any MPI work: the deck against the world size and the
-workload's own constraints, the Slurm allocation, and the run directory.
+workload's own constraints (each workload's `check`, found through hpcpipe.workloads), the
+Slurm allocation, and the run directory.
 
 The deck checks are pure (no MPI, no writes) and run identically on every rank, and by
 `hpcpipe run --dry-run`, so a deck that cannot run stops the whole job with exit 2 and one
@@ -11,39 +12,27 @@ everywhere.
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import itertools
 import os
 import re
-import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from hpcpipe.checks import os_reason
 from hpcpipe.config import Config, ConfigError, dump_toml
 from hpcpipe.topology import RankMap
 
 __all__ = [
     "SlurmLayout",
+    "build_rankmap",
     "check_deck",
     "check_output",
-    "check_paths",
     "check_slurm",
     "planning_world",
     "prepare_output",
     "slurm_layout",
 ]
-
-# Sizes past which a deck cannot be a real job on one node: rejected up front rather than
-# discovered as an allocation failure (or minutes of plan building) on every rank.
-MAX_SWEEP_DIRECTIONS = 100_000
-"""Directions per octant of a sweep quadrature."""
-MAX_PRODUCT_POLAR = 512
-"""Polar points of a product quadrature (Gauss-Legendre nodes of larger sets take minutes)."""
-MAX_SWEEP_TASKS = 1_000_000
-"""KBA tasks per rank and sweep (octants x angle blocks x z blocks)."""
 
 
 def check_deck(config: Config, world: int, ranks_per_node: int, *, files: bool = True) -> RankMap:
@@ -53,15 +42,55 @@ def check_deck(config: Config, world: int, ranks_per_node: int, *, files: bool =
     `files` also opens the data and mesh files the deck names (token ranges, mesh ids) and
     builds the synthetic data chain, as `--dry-run` does; a real run leaves that to its
     workload, which does it first thing anyway, rather than reading them twice on every rank.
+    The workload's own checks come from its entry in `hpcpipe.workloads`.
     """
-    from hpcpipe.runtime import build_rankmap
+    from hpcpipe.workloads import workload_check
 
     rankmap = build_rankmap(config, world, ranks_per_node)
     check_written_paths(config)
-    check = _WORKLOAD_CHECKS.get(config.run.workload)
+    check = workload_check(config.run.workload)
     if check is not None:
         check(config, rankmap, files)
     return rankmap
+
+
+def build_rankmap(config: Config, world: int, ranks_per_node: int) -> RankMap:
+    """The deck's degrees on this world; errors name the deck key to change."""
+    from hpcpipe.topology import TopologyError
+
+    topo = config.topology
+    try:
+        rankmap = RankMap.build(
+            world, ranks_per_node, pp=topo.pp, dp=topo.dp, ep=topo.ep, order=topo.order
+        )
+    except TopologyError as exc:
+        raise ConfigError(
+            config.source,
+            f"topology.{exc.dim}" if exc.dim else "topology",
+            f"{exc.detail} ({_fitting_worlds(config, world)})",
+        ) from None
+    problems = rankmap.check_intra_node(topo.intra_node)
+    if problems and topo.cross_node == "error":
+        raise ConfigError(config.source, "topology.intra_node", "; ".join(problems))
+    return rankmap
+
+
+def _fitting_worlds(config: Config, world: int) -> str:
+    """The hint of a world-size error: which launch sizes fit the deck's [topology]."""
+    topo = config.topology
+    if topo.dp:
+        n = topo.pp * topo.dp
+        return (
+            f"the deck needs topology.pp * topology.dp = {n} ranks: launch mpiexec -n {n}, "
+            "or set topology.dp = 0 to give data parallelism the rest of the world"
+        )
+    unit = topo.pp * topo.ep
+    low, high = world // unit * unit, (world // unit + 1) * unit
+    sizes = f"{low} or {high}" if low else f"{high}"
+    return (
+        f"topology.pp * topology.ep = {topo.pp} * {topo.ep} = {unit} must divide the world size: "
+        f"launch mpiexec -n {sizes} (any multiple of {unit}), or change [topology]"
+    )
 
 
 def planning_world(config: Config, world: int | None) -> tuple[int, str | None]:
@@ -86,270 +115,6 @@ def planning_world(config: Config, world: int | None) -> tuple[int, str | None]:
         f"multiple of pp * ep = {topo.pp} * {topo.ep}; planning for world {n}, the smallest "
         "(pass --world N for another)"
     )
-
-
-def check_paths(config: Config) -> None:
-    """Files the deck names that are read as soon as the deck is used must be regular files: a
-    FIFO would block the read forever (and a time-limit signal is held during start-up), a
-    directory or device gives a confusing error deep inside a reader."""
-    pipeline = config.sections.get("pipeline")
-    if pipeline is not None and pipeline.schedule == "csv" and pipeline.schedule_csv:
-        path = Path(pipeline.schedule_csv)
-        try:
-            regular = stat.S_ISREG(path.stat().st_mode)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                config.source,
-                "pipeline.schedule_csv",
-                f"= {str(path)!r} cannot be read: {_os_reason(exc)}",
-            ) from None
-        if not regular:
-            raise ConfigError(
-                config.source,
-                "pipeline.schedule_csv",
-                f"= {str(path)!r} is not a regular file (a directory, FIFO or device)",
-            )
-
-
-def _keyed(exc: ValueError, section: str, source: str) -> ConfigError:
-    """A component's ValueError("key: why") as the ConfigError that names section.key."""
-    key, sep, why = str(exc).partition(": ")
-    if sep and re.fullmatch(r"[a-z_]+", key):
-        return ConfigError(source, f"{section}.{key}", why)
-    return ConfigError(source, section, f"is not usable: {exc}")
-
-
-def _memory_bytes() -> int:
-    """Physical memory of this node (0 when the platform cannot tell)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3g} GiB"
-
-
-# ---------------------------------------------------------------- train
-
-
-def _check_train(config: Config, rankmap: RankMap, files: bool) -> None:
-    """The Trainer's checks, in its order: schedule, batch split, MoE, model size, stage
-    partition, data."""
-    from hpcpipe.model.models import build_model, partition
-    from hpcpipe.schedules.report import runnable_schedule
-    from hpcpipe.train.data import build_dataset
-
-    source = config.source
-    check_paths(config)
-    schedule, _ = runnable_schedule(config.pipeline, rankmap.pp, source)
-    m = schedule.num_microbatches
-    rows = config.data.global_batch
-    if rows % (rankmap.dp * m):
-        raise ConfigError(
-            source,
-            "data.global_batch",
-            f"= {rows} must be divisible by dp * pipeline.microbatches = {rankmap.dp} * {m} = "
-            f"{rankmap.dp * m}",
-        )
-    moe = config.moe
-    if moe.enabled:
-        from hpcpipe.moe.config import check_moe
-
-        check_moe(
-            moe, ep=rankmap.ep, layers=config.model.layers, kind=config.model.kind, source=source
-        )
-    _check_train_memory(config, rankmap, rows // (rankmap.dp * m))
-    try:
-        units = build_model(config.model, moe)
-    except ValueError as exc:
-        raise _keyed(exc, "model", source) from None
-    n_stages, n_units = schedule.num_stages, len(units)
-    stage_units = config.train.stage_units
-    if stage_units:
-        if len(stage_units) != n_stages or sum(stage_units) != n_units:
-            raise ConfigError(
-                source,
-                "train.stage_units",
-                f"= {list(stage_units)} must list {n_stages} stage sizes "
-                f"summing to the model's {n_units} units",
-            )
-    elif n_stages > n_units:
-        raise ConfigError(
-            source,
-            "model.layers",
-            f"= {config.model.layers} gives {n_units} pipeline units, fewer "
-            f"than the schedule's {n_stages} stages; add layers or lower pp / v",
-        )
-    try:
-        partition(
-            units,
-            n_stages,
-            by=list(stage_units) if stage_units else config.train.partition,
-            stages_of_rank=None if stage_units else schedule.stages_of_rank,
-        )
-    except ValueError as exc:
-        key = "train.stage_units" if stage_units else "train.partition"
-        raise ConfigError(source, key, f"cannot split the model: {exc}") from None
-    if files:
-        build_dataset(config.data, config.model, config.run.seed, source=source)
-
-
-def _check_train_memory(config: Config, rankmap: RankMap, rows_mb: int) -> None:
-    """Reject models and batches that cannot fit one node's memory (they would fail at
-    allocation, or thrash, on every rank): parameters with gradients and AdamW moments, the
-    rank's token shard, and one microbatch's attention scores."""
-    limit = _memory_bytes()
-    if not limit:
-        return
-    model, moe = config.model, config.moe
-    d, f, vocab, seq, layers = model.d_model, model.d_ff, model.vocab, model.seq_len, model.layers
-    size = 8 if config.device.dtype == "float64" else 4
-    dense = 4 * d * d + 2 * d * f if model.kind == "gpt" else 2 * d * f
-    n_moe = layers // moe.every if moe.enabled and model.kind == "gpt" else 0
-    per_expert = 2 * d * (moe.d_ff_expert or f)
-    moe_block = 4 * d * d + d * moe.experts + -(-moe.experts // rankmap.ep) * per_expert
-    params = (
-        vocab * d * 2
-        + (seq * d if model.kind == "gpt" else 0)
-        + (layers - n_moe) * dense
-        + n_moe * moe_block
-    )
-    terms = {
-        "model.d_model": params * size * 4 // rankmap.pp,
-        "data.global_batch": (config.data.global_batch // rankmap.dp) * (seq + 1) * 8 * 2,
-        "model.seq_len": rows_mb * model.n_heads * seq * seq * size if model.kind == "gpt" else 0,
-    }
-    key, need = max(terms.items(), key=lambda kv: kv[1])
-    if need <= limit:
-        return
-    what = {
-        "model.d_model": (
-            f"model.d_model = {d}, model.d_ff = {f}, model.vocab = {vocab}, model.layers = "
-            f"{layers}"
-            + (f", moe.experts = {moe.experts}" if n_moe else "")
-            + f" give about {params:.3g} parameters; with gradients and optimizer moments "
-            f"that is {_gib(need)} per pipeline rank"
-        ),
-        "data.global_batch": (
-            f"data.global_batch = {config.data.global_batch} sequences of model.seq_len = "
-            f"{seq} tokens take {_gib(need)} per data-parallel rank"
-        ),
-        "model.seq_len": (
-            f"model.seq_len = {seq} makes attention scores of {_gib(need)} per microbatch "
-            f"({rows_mb} rows x {model.n_heads} heads x seq_len^2)"
-        ),
-    }[key]
-    raise ConfigError(
-        config.source, key, f"is too large: {what}, more than this node's {_gib(limit)} of memory"
-    )
-
-
-# ---------------------------------------------------------------- sweep
-
-
-def _check_sweep_physics(cfg: Any, source: str) -> None:
-    """A deck that cannot converge is refused now, not after minutes of iterations: scattering
-    beyond the total cross section (negative absorption; there is no fission model) and a
-    tolerance of zero (the change per iteration stops at round-off). The library itself
-    accepts both, for studies of the solver."""
-    if not cfg.tolerance > 0:
-        raise ConfigError(
-            source,
-            "sweep.tolerance",
-            f"= {cfg.tolerance:g} can never be reached (the change per iteration stops at "
-            "round-off, about 1e-15): use a positive value such as 1e-10",
-        )
-    for m, (totals, rows) in enumerate(zip(cfg.sigma_t, cfg.sigma_s, strict=True)):
-        for g, (total, row) in enumerate(zip(totals, rows, strict=True)):
-            out = sum(row)
-            if out > total * (1 + 1e-12):
-                ratio = f"{out / total:.3g}" if total else "infinite"
-                raise ConfigError(
-                    source,
-                    "sweep.sigma_s",
-                    f"material {m} scatters {out:g} out of group {g}, more than its sigma_t "
-                    f"there ({total:g}; scattering ratio c = {ratio} > 1): absorption would "
-                    "be negative and source iteration diverges. The row sum of sigma_s must "
-                    "not exceed sigma_t (there is no fission model)",
-                )
-
-
-def _check_sweep(config: Config, rankmap: RankMap, files: bool) -> None:
-    """The sweep workload's checks: rank grid, problem size, quadrature and KBA plan."""
-    from hpcpipe.sweep.mesh import build_problem
-    from hpcpipe.sweep.plan import PlanError, plan_for, validate
-
-    cfg, source = config.sweep, config.source
-    _check_sweep_physics(cfg, source)
-    if cfg.plot:  # found now, not after the whole sweep has run
-        from hpcpipe.plotting import require_matplotlib
-
-        require_matplotlib(source, "sweep.plot")
-    if cfg.px * cfg.py != rankmap.world:
-        raise ConfigError(
-            source,
-            "sweep.px",
-            f"* sweep.py = {cfg.px} * {cfg.py} = {cfg.px * cfg.py} ranks, but "
-            f"this run has {rankmap.world}: launch with mpiexec -n {cfg.px * cfg.py} "
-            "or set sweep.px / sweep.py to match",
-        )
-    if cfg.quadrature == "product" and cfg.order > MAX_PRODUCT_POLAR:
-        raise ConfigError(
-            source,
-            "sweep.order",
-            f"= {cfg.order} polar points: product sets of at most {MAX_PRODUCT_POLAR} are "
-            "supported",
-        )
-    dirs = cfg.directions_per_octant
-    if dirs > MAX_SWEEP_DIRECTIONS:
-        key = "sweep.azimuthal" if cfg.azimuthal > cfg.order else "sweep.order"
-        raise ConfigError(
-            source,
-            key,
-            f"= {getattr(cfg, key.split('.')[1])} gives {dirs} directions per octant; at most "
-            f"{MAX_SWEEP_DIRECTIONS} are supported",
-        )
-    tasks = 8 * (dirs // cfg.angle_block_size) * (cfg.nz // cfg.z_block_size)
-    if tasks > MAX_SWEEP_TASKS:
-        raise ConfigError(
-            source,
-            "sweep.z_block",
-            f"= {cfg.z_block} and sweep.angle_block = {cfg.angle_block} give {tasks} pipeline "
-            f"tasks per rank and sweep (at most {MAX_SWEEP_TASKS}); use larger blocks",
-        )
-    limit = _memory_bytes()
-    cells = (cfg.nx // cfg.px) * (cfg.ny // cfg.py) * cfg.nz
-    need = cells * (cfg.groups * 8 * 6 + 8)
-    if limit and need > limit:
-        sizes = {"sweep.nx": cfg.nx, "sweep.ny": cfg.ny, "sweep.nz": cfg.nz}
-        key = max(sizes, key=lambda k: sizes[k])
-        raise ConfigError(
-            source,
-            key,
-            f"is too large: sweep.nx * sweep.ny * sweep.nz = {cfg.nx} * {cfg.ny} * {cfg.nz} "
-            f"cells x {cfg.groups} group(s) need about {_gib(need)} per rank, more than this "
-            f"node's {_gib(limit)} of memory",
-        )
-    try:
-        unread = not files and getattr(cfg, "mesh_file", "")  # the workload reads it anyway
-        problem = build_problem(dataclasses.replace(cfg, mesh_file="") if unread else cfg)
-    except ValueError as exc:
-        raise _keyed(exc, "sweep", source) from None
-    try:
-        validate(plan_for(cfg, problem))
-    except PlanError as exc:
-        word = re.match(r"[a-z_]+", str(exc))
-        known = word is not None and hasattr(cfg, word.group(0))
-        key = f"sweep.{word.group(0)}" if known and word else "sweep"
-        raise ConfigError(source, key, f"cannot be planned: {exc}") from None
-
-
-_WORKLOAD_CHECKS: dict[str, Callable[[Config, RankMap, bool], None]] = {
-    "train": _check_train,
-    "sweep": _check_sweep,
-}
 
 
 # ---------------------------------------------------------------- Slurm
@@ -481,14 +246,6 @@ def slurm_nodes_warning(layout: SlurmLayout | None, nodes: int) -> str | None:
 # ---------------------------------------------------------------- output directory
 
 
-def _os_reason(exc: OSError | ValueError) -> str:
-    if isinstance(exc, OSError) and exc.errno is not None:
-        name = errno.errorcode.get(exc.errno, str(exc.errno))
-        where = f" ({exc.filename})" if exc.filename else ""
-        return f"{exc.strerror or os.strerror(exc.errno)} [{name}]{where}"
-    return str(exc)
-
-
 def _output_dirs(config: Config) -> list[tuple[str, Path]]:
     """(key, directory) of everything the run writes: run.output, and checkpoint.dir and the
     directory of trace.path when they are set apart from it."""
@@ -520,7 +277,7 @@ def prepare_output(
                 tmp.write_text(dump_toml(config), encoding="utf-8")
                 os.replace(tmp, path / "config.toml")
         except (OSError, ValueError) as exc:
-            return key, f"= {str(path)!r}: cannot write there: {_os_reason(exc)}"
+            return key, f"= {str(path)!r}: cannot write there: {os_reason(exc)}"
     return check_output(config)
 
 
@@ -546,7 +303,7 @@ def _earlier_run(config: Config, *, resume: bool, overwrite: bool) -> tuple[str,
             clear_run(found)
             return None
     except OSError as exc:
-        return "run.output", f"= {str(output)!r}: cannot clear the earlier run: {_os_reason(exc)}"
+        return "run.output", f"= {str(output)!r}: cannot clear the earlier run: {os_reason(exc)}"
     return "run.output", (
         f"= {str(output)!r} already holds an earlier run ({describe(found, output)}): continue "
         "it with --resume, start afresh with --overwrite (deletes those files only), or set "
@@ -586,7 +343,7 @@ def check_output(config: Config) -> tuple[str, str] | None:
             if not path.is_dir():
                 return key, f"= {str(path)!r}: not a directory on this node"
         except (OSError, ValueError) as exc:
-            return key, f"= {str(path)!r}: {_os_reason(exc)}"
+            return key, f"= {str(path)!r}: {os_reason(exc)}"
         if not os.access(path, os.W_OK | os.X_OK):
             reason = "read-only file system" if _read_only(path) else "permission denied"
             return key, f"= {str(path)!r}: cannot write there ({reason})"

@@ -6,11 +6,9 @@ message; anything unexpected on any rank aborts the whole job (see hpcpipe.mpi.g
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,16 +17,10 @@ from hpcpipe.backend import Backend, make_backend
 from hpcpipe.config import Config, ConfigError, dump_toml
 from hpcpipe.faults import maybe_fail
 from hpcpipe.mpi.watchdog import Watchdog
-from hpcpipe.topology import RankMap, TopologyError
+from hpcpipe.topology import RankMap
+from hpcpipe.workloads import workload_run
 
-__all__ = ["WORKLOADS", "RunContext", "RunOptions", "build_rankmap", "layout_text", "run_job"]
-
-WORKLOADS: dict[str, str] = {
-    "topology": "hpcpipe.topology_check:run",
-    "train": "hpcpipe.train.workload:run",
-    "sweep": "hpcpipe.sweep.workload:run",
-}
-"""Workload name -> `module:function(ctx)`; imported only when chosen."""
+__all__ = ["RunContext", "RunOptions", "layout_text", "run_job"]
 
 
 @dataclass
@@ -73,43 +65,6 @@ class RunContext:
 
     def log_all(self, message: str) -> None:
         print(f"[rank {self.rank}] {message}", flush=True)
-
-
-def build_rankmap(config: Config, world: int, ranks_per_node: int) -> RankMap:
-    """The deck's degrees on this world; errors name the deck key to change."""
-    topo = config.topology
-    try:
-        rankmap = RankMap.build(
-            world, ranks_per_node, pp=topo.pp, dp=topo.dp, ep=topo.ep, order=topo.order
-        )
-    except TopologyError as exc:
-        raise ConfigError(
-            config.source,
-            f"topology.{exc.dim}" if exc.dim else "topology",
-            f"{exc.detail} ({_fitting_worlds(config, world)})",
-        ) from None
-    problems = rankmap.check_intra_node(topo.intra_node)
-    if problems and topo.cross_node == "error":
-        raise ConfigError(config.source, "topology.intra_node", "; ".join(problems))
-    return rankmap
-
-
-def _fitting_worlds(config: Config, world: int) -> str:
-    """The hint of a world-size error: which launch sizes fit the deck's [topology]."""
-    topo = config.topology
-    if topo.dp:
-        n = topo.pp * topo.dp
-        return (
-            f"the deck needs topology.pp * topology.dp = {n} ranks: launch mpiexec -n {n}, "
-            "or set topology.dp = 0 to give data parallelism the rest of the world"
-        )
-    unit = topo.pp * topo.ep
-    low, high = world // unit * unit, (world // unit + 1) * unit
-    sizes = f"{low} or {high}" if low else f"{high}"
-    return (
-        f"topology.pp * topology.ep = {topo.pp} * {topo.ep} = {unit} must divide the world size: "
-        f"launch mpiexec -n {sizes} (any multiple of {unit}), or change [topology]"
-    )
 
 
 def layout_text(config: Config, rankmap: RankMap) -> str:
@@ -170,11 +125,6 @@ def _check_launcher(world_size: int) -> None:
             "its own single-rank job. The MPI library does not speak srun's PMI; "
             "use srun --mpi=pmi2 (or pmix), or launch with mpiexec",
         )
-
-
-def _resolve_workload(name: str) -> Callable[[RunContext], Any]:
-    module, _, func = WORKLOADS[name].partition(":")
-    return getattr(importlib.import_module(module), func)
 
 
 @dataclass(frozen=True)
@@ -258,7 +208,7 @@ def _start_and_run(config: Config, watchdog: Watchdog, options: RunOptions) -> i
         resume=options.resume,
         allow_changes=options.allow_changes,
     )
-    workload = _resolve_workload(config.run.workload)
+    workload = workload_run(config.run.workload)
     if config.run.workload == "sweep":  # a sweep's layout is its KBA grid, not pp/dp/ep
         layout = f"grid={config.sweep.px}x{config.sweep.py}"
     else:

@@ -22,7 +22,8 @@ from mpi4py import MPI
 from hpcpipe.backend import make_backend
 from hpcpipe.bench.harness import idle_barrier
 from hpcpipe.config import Config, ConfigError, load_config
-from hpcpipe.runtime import RunContext, build_rankmap
+from hpcpipe.preflight import build_rankmap
+from hpcpipe.runtime import RunContext
 from hpcpipe.train.pipeline import PipelineRank, StepResult
 
 __all__ = [
