@@ -42,7 +42,7 @@ _ACTIVE: Backend | None = None
 
 
 def _libmpi() -> ctypes.CDLL | None:
-    """The MPI library mpi4py loaded (found in this process's memory map)."""
+    """The MPI library this process loaded (found in its memory map)."""
     try:
         with open("/proc/self/maps", encoding="utf-8") as fh:
             maps = fh.read()

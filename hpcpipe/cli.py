@@ -311,7 +311,7 @@ register_command("plan", "show the rank layout and pipeline schedule for a deck 
 # ---------------------------------------------------------------- main
 
 # Modules that register more verbs with `register_command` (imported when the parser is built;
-# they must not import mpi4py at module level, so that `plan` and friends never start MPI).
+# they must not import MPI at module level, so that `plan` and friends never start it).
 PLUGINS = ("hpcpipe.io.ckpt_cli", "hpcpipe.analysis.cli", "hpcpipe.bench.cli")
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcpipe.faults import maybe_fail
+from hpcpipe.mpi.collectives import allreduce, allreduce_value
 from hpcpipe.runtime import RunContext
 from hpcpipe.topology import DIMS
 
@@ -32,8 +32,7 @@ def _check_group(ctx: RunContext, dim: str) -> tuple[float, str]:
     comm, expected = _comm_and_members(ctx, dim)
     t0 = time.perf_counter()
     members = tuple(comm.allgather(ctx.rank))
-    total = np.zeros(1, dtype=np.int64)
-    comm.Allreduce(np.array([ctx.rank], dtype=np.int64), total, op=MPI.SUM)
+    total = allreduce(comm, np.array([ctx.rank], dtype=np.int64))
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     got = np.zeros(1, dtype=np.int64)
     comm.Sendrecv(np.array([ctx.rank], dtype=np.int64), dest=right, recvbuf=got, source=left)
@@ -71,7 +70,7 @@ def run(ctx: RunContext) -> None:
     problems = []
     for dim in (*DIMS, "edp", "node"):
         elapsed, problem = _check_group(ctx, dim)
-        slowest = ctx.comms.world.allreduce(elapsed, op=MPI.MAX)
+        slowest = allreduce_value(ctx.comms.world, elapsed, "max")
         failed = ctx.comms.world.allgather(problem)
         bad = [f"rank {r}: {p}" for r, p in enumerate(failed) if p]
         problems += bad

@@ -3,7 +3,7 @@ the pure function that checks a deck for it before any rank communicates.
 
 A workload is a package (or module) of its own; adding one means writing its `run(ctx)` and
 `check(config, rankmap, files)` and one line here. Modules are imported only when chosen, and
-checks never import mpi4py (they also run in `plan` and `--dry-run`).
+checks never import MPI (they also run in `plan` and `--dry-run`).
 """
 
 from __future__ import annotations

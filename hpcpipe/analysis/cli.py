@@ -1,6 +1,6 @@
 """`hpcpipe trace summary|export|plot|compare`: read trace files, no MPI, exit 2 on bad input.
 
-Imported by `hpcpipe.cli` to build the parser, so this module imports neither mpi4py nor
+Imported by `hpcpipe.cli` to build the parser, so this module imports neither MPI nor
 matplotlib (plots load it when drawing).
 """
 

@@ -25,7 +25,7 @@ from hpcpipe.bench.harness import compare, iterations, median
 from hpcpipe.bench.sizes import met_from, size_range
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.config import ConfigError
-from hpcpipe.moe.group import ExpertGroup
+from hpcpipe.mpi.experts import ExpertGroup
 
 __all__ = ["run"]
 

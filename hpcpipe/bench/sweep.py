@@ -100,7 +100,7 @@ def time_sweeps(
     unknowns = problem.mesh.cells * problem.quadrature.total * GROUPS
     wall = median(walls)
     bx, by, _ = plan.local_shape
-    sweeper.comm.Free()
+    sweeper.free()
     return {
         "ranks": comm.size,
         "planes_per_task": bx + by + plan.z_block - 2,

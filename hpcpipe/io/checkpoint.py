@@ -6,7 +6,7 @@ the held slices of the ranks that pass `writer=True`; `load_checkpoint` reads an
 global tensors, so a run restarts on other pp/dp/ep degrees by asking for what it now owns.
 Format and protocol: docs/formats.md.
 
-mpi4py is never imported here: the communicator is passed in (or None for one process).
+MPI is never imported here: the communicator is passed in (or None for one process).
 """
 
 from __future__ import annotations

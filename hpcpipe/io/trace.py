@@ -18,7 +18,7 @@ rank, `/ranks/<r>/events`, with raw local times; the run's metadata (config TOML
 schedule CSV, clock samples) sits in attributes. Serial h5py has no parallel writer, so
 `write_trace` gathers the events to rank 0 (or, for large traces, has every rank write a
 temporary file that rank 0 merges) and publishes the file by atomic rename. Nothing here imports
-mpi4py: the reader and the analysis run without MPI.
+MPI (the clock ping-pong is in hpcpipe.mpi.clock): the reader and the analysis run without it.
 """
 
 from __future__ import annotations
@@ -55,11 +55,9 @@ __all__ = [
     "Trace",
     "TraceFormatError",
     "action_peers",
-    "estimate_offsets",
     "read_trace",
     "save_trace",
     "topology_metadata",
-    "world_ranks",
     "write_trace",
 ]
 
@@ -272,69 +270,11 @@ class Recorder:
 
     def align_clock(self, comm: Any, rounds: int = 8) -> ClockSample:
         """Collective on `comm`: measure and keep this rank's clock offset against rank 0."""
-        sample = estimate_offsets(comm, rounds)
+        from hpcpipe.mpi.clock import estimate_offsets
+
+        sample = ClockSample(*estimate_offsets(comm, rounds))
         self.clock.append(sample)
         return sample
-
-
-# ---------------------------------------------------------------- MPI side (duck-typed comm)
-
-
-def estimate_offsets(comm: Any, rounds: int = 8) -> ClockSample:
-    """Collective: this rank's clock minus rank 0's, by ping-pong with rank 0.
-
-    Rank 0 exchanges `rounds` messages with each rank in turn and keeps the round trip with the
-    smallest latency, assuming it was symmetric: offset = remote time - midpoint of the trip.
-    The error is at most half that round trip (a few microseconds on one node). The work is on
-    a duplicate of `comm`, so no message of the application can match these.
-    """
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    now = time.perf_counter_ns
-    dup = comm.Dup()
-    try:
-        rank, size = dup.Get_rank(), dup.Get_size()
-        buf = np.zeros(3, dtype=np.int64)
-        dup.Barrier()
-        if rank == 0:
-            for r in range(1, size):
-                best = None
-                for _ in range(rounds):
-                    t_a = now()
-                    dup.Send(buf[:1], dest=r, tag=1)
-                    dup.Recv(buf[:1], source=r, tag=2)
-                    t_b = now()
-                    rtt = t_b - t_a
-                    if best is None or rtt < best[2]:
-                        best = (int(buf[0]), int(buf[0]) - (t_a + t_b) // 2, rtt)
-                buf[:] = best
-                dup.Send(buf, dest=r, tag=3)
-            sample = ClockSample(now(), 0, 0)
-        else:
-            for _ in range(rounds):
-                dup.Recv(buf[:1], source=0, tag=1)
-                buf[0] = now()
-                dup.Send(buf[:1], dest=0, tag=2)
-            dup.Recv(buf, source=0, tag=3)
-            sample = ClockSample(int(buf[0]), int(buf[1]), int(buf[2]))
-        dup.Barrier()
-    finally:
-        dup.Free()
-    return sample
-
-
-def world_ranks(comm: Any, world: Any = None) -> np.ndarray:
-    """World rank of each rank of `comm`: record `peer` as a world rank, translated once."""
-    if world is None:
-        from mpi4py import MPI
-
-        world = MPI.COMM_WORLD
-    ranks = np.arange(comm.Get_size(), dtype=np.int64)
-    # unbound call: an instance method in mpi4py 4, a classmethod in mpi4py 3
-    out = type(comm.Get_group()).Translate_ranks(
-        comm.Get_group(), ranks.tolist(), world.Get_group()
-    )
-    return np.asarray(out, dtype=np.int64)
 
 
 def action_peers(schedule: Any, rank: int, to_world: Any = None) -> np.ndarray:

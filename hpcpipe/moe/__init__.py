@@ -2,9 +2,9 @@
 
 `MoEConfig` is the deck's [moe] section. `build_model(cfg, moe=..., expert_group=...)` (in
 `hpcpipe.model`) builds gpt models whose MoE blocks are `MoETransformerBlock`s. `ExpertGroup`
-(imports mpi4py, so it is loaded on first use) holds the expert-parallel communicator; without
-one every expert is local. Routing (`route`) and dispatch plans (`build_dispatch_plan`) are pure
-NumPy. See docs/moe.md.
+(part of the MPI layer, `hpcpipe.mpi.experts`, loaded on first use) holds the expert-parallel
+communicator; without one every expert is local. Routing (`route`) and dispatch plans
+(`build_dispatch_plan`) are pure NumPy. See docs/moe.md.
 """
 
 from typing import Any
@@ -41,7 +41,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "ExpertGroup":  # keeps `import hpcpipe.moe` free of MPI initialisation
-        from hpcpipe.moe.group import ExpertGroup
+        from hpcpipe.mpi.experts import ExpertGroup
 
         return ExpertGroup
     raise AttributeError(f"module 'hpcpipe.moe' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""Data-parallel gradient reduction in buckets with nonblocking allreduce.
+"""Reductions: the data-parallel gradient reduction in buckets, and the small reductions the
+workloads make (metrics, flags, agreement), named by operation so no workload needs mpi4py.
 
 Gradients of a stage live in one flat buffer (the per-parameter gradients are views into it),
 cut into buckets of about `bucket_bytes`. A stage's buckets are reduced with `Iallreduce` as soon
@@ -11,12 +12,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from hpcpipe.backend import Backend, StagedCopy
 from hpcpipe.faults import maybe_fail
 
-__all__ = ["BucketedAllreduce", "FlatBuffer"]
+__all__ = ["BucketedAllreduce", "FlatBuffer", "allreduce", "allreduce_value"]
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def allreduce(comm: Any, values: Any, op: str = "sum") -> np.ndarray:
+    """The element-wise reduction of `values` (a NumPy array or sequence) over `comm`; `op` is
+    "sum", "max" or "min"."""
+    send = np.ascontiguousarray(values)
+    out = np.empty_like(send)
+    comm.Allreduce(send, out, op=_op(op))
+    return out
+
+
+def allreduce_value(comm: Any, value: Any, op: str = "sum") -> Any:
+    """The reduction of one Python value (a number) over `comm`."""
+    return comm.allreduce(value, op=_op(op))
+
+
+def _op(name: str) -> MPI.Op:
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise ValueError(f"reduction {name!r} is not one of {', '.join(_OPS)}") from None
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""The KBA executor: walks one rank's task list from a SweepPlan, moving face fluxes with MPI.
+"""The KBA executor: walks one rank's task list from a SweepPlan, its face fluxes moved by the
+MPI layer's `FaceChannel` (hpcpipe.mpi.faces).
 
-Receives are pre-posted a few tasks ahead; outgoing faces leave with nonblocking sends on a
-private duplicate of the communicator, tagged by task (x face `tag`, y face `tag + 1`), so no
-two messages of a sweep can match the wrong receive and no other traffic can interfere. Sweeps
-are separated by the solver's reductions, so tags may repeat from one sweep to the next.
+Receives are pre-posted a few tasks ahead; outgoing faces leave with nonblocking sends on the
+channel's private communicator, tagged by task (x face `tag`, y face `tag + 1`), so no two
+messages of a sweep can match the wrong receive and no other traffic can interfere. Sweeps are
+separated by the solver's reductions, so tags may repeat from one sweep to the next.
 
 With a trace recorder each task records one SWEEP_BLOCK event (stage = octant, microbatch =
 the task's index in its octant, `angle_block * z_blocks + z_block`), each face message a SEND
@@ -11,9 +12,9 @@ on the sender and a RECV (the wait) on the receiver with that same (stage, micro
 bytes, the peer's world rank and the axis in `value` (0 = x face, 1 = y face); the drain of
 the last sends is a WAIT and each reduction an ALLREDUCE. Disabled, each hook is one test.
 
-On a GPU (`xp` = cupy) the faces stay on the device: they go to a CUDA-aware MPI directly once
-the stream is synchronised (`device_buffers`), else through host copies; the boundary flows are
-summed on the device and copied to the host once per sweep.
+On a GPU (`xp` = cupy) the faces stay on the device (the channel hands them to a CUDA-aware MPI
+directly, else through host copies); the boundary flows are summed on the device and copied to
+the host once per sweep.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcpipe.backend import active_backend
-from hpcpipe.io.trace import EventKind, Recorder, world_ranks
+from hpcpipe.io.trace import EventKind, Recorder
+from hpcpipe.mpi import Comm
+from hpcpipe.mpi.faces import FaceChannel, PostedFace
 from hpcpipe.sweep.kernel import angle_block, block_order, face_current, sweep_block
 from hpcpipe.sweep.mesh import Problem
 from hpcpipe.sweep.plan import SweepPlan, SweepTask
@@ -54,7 +56,7 @@ class KBASweeper:
         self,
         problem: Problem,
         plan: SweepPlan,
-        comm: MPI.Comm,
+        comm: Comm,
         xp: Any = np,
         recv_depth: int = 4,
         device_buffers: bool = False,
@@ -65,18 +67,11 @@ class KBASweeper:
                 f"the plan is for {plan.px} x {plan.py} = {plan.ranks} ranks but "
                 f"the communicator has {comm.size}"
             )
-        tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # guaranteed on COMM_WORLD only
-        if tag_ub is not None and plan.max_tag > tag_ub:
-            raise ValueError(
-                f"the plan needs message tags up to {plan.max_tag} but this MPI "
-                f"allows {tag_ub}: use larger z_block or angle_block"
-            )
-        self.comm = comm.Dup()
+        self.channel = FaceChannel(comm, plan.max_tag, xp, device_buffers)
         self.problem, self.plan, self.xp = problem, plan, xp
-        self.rank = self.comm.rank
-        self.ranks = self.comm.size
+        self.rank = self.channel.rank
+        self.ranks = self.channel.size
         self.recv_depth = max(1, recv_depth)
-        self.staged = xp is not np and not device_buffers
         self.timing = SweepTiming()
         bx, by, nz = plan.local_shape
         ix, iy = plan.coords(self.rank)
@@ -96,7 +91,7 @@ class KBASweeper:
         self._tags = [
             (t.octant, t.angle_block * plan.z_blocks + t.z_block) for t in plan.tasks[self.rank]
         ]
-        self._world = world_ranks(self.comm).tolist() if recorder is not None else []
+        self._world = self.channel.world_ranks() if recorder is not None else []
         self._incident: dict[tuple[int, int, int], Any] = {}  # boundary faces on the device
 
     # ---------------------------------------------------------------- reductions for the solver
@@ -114,25 +109,25 @@ class KBASweeper:
         )
 
     def allsum(self, values: np.ndarray) -> np.ndarray:
-        return self._allreduce(values, MPI.SUM)
+        return self._allreduce(values, "sum")
 
     def allmax(self, values: np.ndarray) -> np.ndarray:
-        return self._allreduce(values, MPI.MAX)
+        return self._allreduce(values, "max")
 
-    def _allreduce(self, values: np.ndarray, op: MPI.Op) -> np.ndarray:
-        send = np.ascontiguousarray(values, dtype=np.float64)
-        out = np.empty_like(send)
+    def _allreduce(self, values: np.ndarray, op: str) -> np.ndarray:
         t0 = time.perf_counter_ns()
-        self.comm.Allreduce(send, out, op=op)
+        out = self.channel.allreduce(values, op)
         if self.rec.enabled:
-            self.rec.record(EventKind.ALLREDUCE, -1, -1, t0, time.perf_counter_ns(), send.nbytes)
+            self.rec.record(EventKind.ALLREDUCE, -1, -1, t0, time.perf_counter_ns(), out.nbytes)
         return out
+
+    def free(self) -> None:
+        """Release the channel's communicator (after the last sweep)."""
+        self.channel.free()
 
     def gather(self, local: np.ndarray) -> np.ndarray | None:
         """Assemble a per-cell array (bx, by, nz, ...) into the global one on rank 0."""
-        local = np.ascontiguousarray(local)
-        out = np.empty((self.plan.ranks, *local.shape)) if self.rank == 0 else None
-        self.comm.Gather(local, out, root=0)
+        out = self.channel.gather(local)
         if out is None:
             return None
         bx, by, _ = self.plan.local_shape
@@ -158,32 +153,18 @@ class KBASweeper:
             face = self._incident[key] = self.xp.asarray(np.broadcast_to(value, shape).copy())
         return face.copy()
 
-    def _post(self, task: SweepTask) -> list[tuple[Any, np.ndarray] | None]:
-        posted: list[tuple[Any, np.ndarray] | None] = []
-        device = self.xp is not np and not self.staged
+    def _post(self, task: SweepTask) -> list[PostedFace | None]:
+        posted: list[PostedFace | None] = []
+        first = True
         for axis, peer in ((0, task.recv_x), (1, task.recv_y)):
             if peer < 0:
                 posted.append(None)
                 continue
-            shape = self._face_shape(axis, task)
-            buf = np.empty(shape) if self.staged else self.xp.empty(shape)
-            if device:  # MPI writes outside stream order: no queued kernel may still use the
-                device = False  # pool memory `empty` handed out (one synchronisation per task)
-                self.xp.cuda.get_current_stream().synchronize()
-            posted.append((self.comm.Irecv(buf, source=peer, tag=task.tag + axis), buf))
+            posted.append(
+                self.channel.post(peer, task.tag + axis, self._face_shape(axis, task), sync=first)
+            )
+            first = False
         return posted
-
-    def _send(self, face: Any, peer: int, tag: int, sends: list) -> int:
-        """Start sending a face downwind; returns its size in bytes."""
-        if self.staged:  # a blocking device-to-host copy (the stream is waited for)
-            backend = active_backend()
-            buf = backend.to_host(face) if backend is not None else self.xp.asnumpy(face)
-        else:
-            buf = face
-            if self.xp is not np:  # CuPy does not synchronise for MPI: the kernels must be done
-                self.xp.cuda.get_current_stream().synchronize()
-        sends.append((self.comm.Isend(buf, dest=peer, tag=tag), buf))
-        return int(buf.nbytes)
 
     def sweep(self, q: Any, sigma_t: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """All octants over this rank's block; `q`, `sigma_t` are (cells, G) on this rank."""
@@ -196,7 +177,6 @@ class KBASweeper:
         outflow = xp.zeros(groups)  # on the device: copied to the host once, at the end
         inflow = xp.zeros(groups)
         posted: dict[int, list] = {}
-        sends: list = []
         busy = wait = 0
         start = now()
         for t in range(min(self.recv_depth, len(tasks))):
@@ -217,13 +197,10 @@ class KBASweeper:
                     inflow += self._areas[axis] * face_current(face, currents[axis])
                 else:
                     w0 = now()
-                    got[0].Wait()
+                    face, nbytes = self.channel.wait(got)
                     if rec.enabled:
                         peer = world[(task.recv_x, task.recv_y)[axis]]
-                        rec.record(
-                            EventKind.RECV, octant, sub, w0, now(), got[1].nbytes, peer, axis
-                        )
-                    face = xp.asarray(got[1]) if self.staged else got[1]
+                        rec.record(EventKind.RECV, octant, sub, w0, now(), nbytes, peer, axis)
                 faces.append(face)
             if task.z_block == 0:
                 fz = self._boundary(2, task)
@@ -254,19 +231,16 @@ class KBASweeper:
                     outflow += self._areas[axis] * face_current(faces[axis], currents[axis])
                 else:
                     s0 = now()
-                    nbytes = self._send(faces[axis], peer, task.tag + axis, sends)
+                    nbytes = self.channel.send(faces[axis], peer, task.tag + axis)
                     if rec.enabled:
                         rec.record(
                             EventKind.SEND, octant, sub, s0, now(), nbytes, world[peer], axis
                         )
             if task.z_block == plan.z_blocks - 1:
                 outflow += self._areas[2] * face_current(fz, angles.wxi)
-            if len(sends) > 8:
-                done = set(MPI.Request.Testsome([s[0] for s in sends]) or ())
-                sends = [s for i, s in enumerate(sends) if i not in done]
         t0 = now()
         self._task = len(tasks)
-        MPI.Request.Waitall([s[0] for s in sends])
+        self.channel.drain()
         self._task = -1
         end = now()
         if rec.enabled:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcpipe.config import ConfigError, dump_toml
 from hpcpipe.faults import maybe_fail
@@ -21,6 +20,7 @@ from hpcpipe.io.ckpt_config import CheckpointConfig
 from hpcpipe.io.trace import EventKind, Recorder, write_trace
 from hpcpipe.io.trace_config import TraceConfig
 from hpcpipe.jobcontrol import StopSignal, find_checkpoint, write_status
+from hpcpipe.mpi import Comm
 from hpcpipe.mpi.watchdog import Watchdog
 from hpcpipe.sweep import checkpointing
 from hpcpipe.sweep.config import SweepConfig
@@ -68,7 +68,7 @@ def run(ctx: Any) -> None:
 
 def run_sweep(
     cfg: SweepConfig,
-    comm: MPI.Comm,
+    comm: Comm,
     output: Path | None,
     *,
     xp: Any = np,
@@ -173,6 +173,7 @@ def run_sweep(
             "preempted" if result.stopped else "finished" if result.converged else "not-converged"
         )
         write_status(output, state, result.iterations, control.last)
+    sweeper.free()
     comm.Barrier()
     if not result.converged and not result.stopped:
         raise ConvergenceError(result.message)
@@ -204,7 +205,7 @@ class _Control:
 
     def __init__(
         self,
-        comm: MPI.Comm,
+        comm: Comm,
         cfg: SweepConfig,
         owned: tuple[slice, slice],
         settings: CheckpointConfig,

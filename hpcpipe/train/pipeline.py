@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcpipe.faults import maybe_fail
-from hpcpipe.io.trace import EventKind, Recorder, action_peers, world_ranks
+from hpcpipe.io.trace import EventKind, Recorder, action_peers
 from hpcpipe.model.models import Params
 from hpcpipe.model.stage import Stage
 from hpcpipe.moe.layer import is_expert_param
+from hpcpipe.mpi import Comm
+from hpcpipe.mpi.clock import world_ranks
 from hpcpipe.mpi.collectives import BucketedAllreduce, FlatBuffer
 from hpcpipe.mpi.p2p import BACKWARD, FORWARD, Mailbox
 from hpcpipe.schedules.ir import Action, Kind, Schedule
@@ -54,15 +55,15 @@ class PipelineRank:
         stages: dict[int, Stage],
         params: dict[int, Params],
         *,
-        pp_comm: MPI.Comm,
-        dp_comm: MPI.Comm,
+        pp_comm: Comm,
+        dp_comm: Comm,
         backend: Any,
         act_shape: Sequence[int],
         recv_lookahead: int = 8,
         bucket_bytes: int = 4 << 20,
         world_rank: int = 0,
         recorder: Recorder | None = None,
-        expert_dp_comm: MPI.Comm | None = None,
+        expert_dp_comm: Comm | None = None,
     ):
         self.schedule = schedule
         self.rank = rank

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcpipe.config import ConfigError, dump_toml
 from hpcpipe.faults import maybe_fail
@@ -23,6 +22,7 @@ from hpcpipe.io.trace import EventKind, write_trace
 from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.model.models import boundary_shape, build_model, partition
 from hpcpipe.model.stage import Stage
+from hpcpipe.mpi.collectives import allreduce
 from hpcpipe.runtime import RunContext
 from hpcpipe.train.checkpointing import restore, save
 from hpcpipe.train.data import build_dataset
@@ -335,8 +335,7 @@ def _reduce_scalars(
             stop_flag,
         ]
     )
-    total = np.zeros(4)
-    ctx.comms.world.Allreduce(local, total, op=MPI.SUM)  # one collective for all of them
+    total = allreduce(ctx.comms.world, local)  # one collective for all of them
     return float(total[0]), float(total[1] + total[2]), bool(total[3] > 0)
 
 
@@ -357,9 +356,7 @@ def _moe_figures(ctx: RunContext, stats: list[Any]) -> dict[str, float]:
         ]
     )
     world = ctx.comms.world
-    world.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
-    world.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
-    world.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    lo, hi, sums = allreduce(world, lo, "min"), allreduce(world, hi, "max"), allreduce(world, sums)
     count = max(sums[0], 1.0)
     return {
         "min": float(lo[0]),
@@ -415,10 +412,8 @@ def _report_non_finite(
 def _step_figures(ctx: RunContext, result: StepResult, dt: float) -> tuple[float, int, float]:
     """Measured bubble (1 - mean compute / step time over ranks), peak memory over ranks."""
     local = np.array([result.compute_time, result.peak_live_bytes, result.peak_live_units])
-    total = np.zeros(3)
-    peaks = np.zeros(3)
-    ctx.comms.world.Allreduce(local, total, op=MPI.SUM)
-    ctx.comms.world.Allreduce(local, peaks, op=MPI.MAX)
+    total = allreduce(ctx.comms.world, local)
+    peaks = allreduce(ctx.comms.world, local, "max")
     mean_compute = total[0] / ctx.size
     return max(0.0, 1.0 - mean_compute / dt), int(peaks[1]), float(peaks[2])
 

@@ -71,7 +71,7 @@ def _sweep_time(cfg: Any, comm: MPI.Comm, xp: Any, sweeps: int) -> dict[str, Any
         wall = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         if i:
             walls.append(wall)
-    sweeper.comm.Free()
+    sweeper.free()
     unknowns = problem.mesh.cells * problem.quadrature.total * problem.groups
     wall = float(np.median(walls))
     return {

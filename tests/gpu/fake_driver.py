@@ -164,7 +164,7 @@ def sweep_case(aware: str) -> dict:
             "solve_d2h_per_iteration": fake_device.STATS.d2h / 3,
             "violations": list(fake_mpi.VIOLATIONS),
         }
-        sweeper.comm.Free()
+        sweeper.free()
     dev, host = results["device"], results["host"]
     scale = max(float(np.max(np.abs(host["phi"]))), 1e-300)
     mine = {

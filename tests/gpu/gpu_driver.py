@@ -122,7 +122,7 @@ def allreduce_case() -> dict[str, Any]:
 def alltoall_case() -> dict[str, Any]:
     """ExpertGroup.alltoallv of device rows (staged and, where possible, direct) equals the same
     exchange of host rows, bit for bit."""
-    from hpcpipe.moe.group import ExpertGroup
+    from hpcpipe.mpi.experts import ExpertGroup
 
     _, direct, reason = backends("float64")
     experts, d = 4 * COMM.size, 8
@@ -176,7 +176,7 @@ def sweep_case() -> dict[str, Any]:
         cells = LocalCells(problem, sweeper.x_cells, sweeper.y_cells, xp=xp)
         result = solve(problem, cells, sweeper, tolerance=0.0, max_iterations=5)
         phis[name] = np.asarray(result.phi)
-        sweeper.comm.Free()
+        sweeper.free()
     scale = max(float(np.abs(phis["host"]).max()), 1e-300)
     rel = {k: float(np.abs(v - phis["host"]).max()) / scale for k, v in phis.items() if k != "host"}
     worst = {k: COMM.allreduce(v, op=MPI.MAX) for k, v in rel.items()}

@@ -124,6 +124,6 @@ def test_sweep_on_the_device_equals_numpy_to_round_off(gpu):
         cells = LocalCells(problem, sweeper.x_cells, sweeper.y_cells, xp=xp)
         result = solve(problem, cells, sweeper, tolerance=0.0, max_iterations=5)
         phis["host" if xp is np else "device"] = result.phi
-        sweeper.comm.Free()
+        sweeper.free()
     scale = np.abs(phis["host"]).max()
     assert np.abs(phis["device"] - phis["host"]).max() <= 1e-12 * scale

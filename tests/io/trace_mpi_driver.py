@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from hpcpipe.io.trace import EventKind, Recorder, world_ranks, write_trace
+from hpcpipe.io.trace import EventKind, Recorder, write_trace
+from hpcpipe.mpi.clock import world_ranks
 
 STEPS, MICROBATCHES = 3, 4
 

@@ -27,8 +27,8 @@ from mpi4py import MPI
 
 from hpcpipe.model import ModelConfig, Stage, accumulate, build_model, partition
 from hpcpipe.moe import MoEConfig, MoETransformerBlock, is_expert_param
-from hpcpipe.moe.group import ExpertGroup
 from hpcpipe.mpi.comms import build_comms, discover_nodes
+from hpcpipe.mpi.experts import ExpertGroup
 from hpcpipe.topology import RankMap
 
 MODEL = ModelConfig(kind="gpt", layers=2, d_model=8, n_heads=2, d_ff=12, vocab=11, seq_len=4)
