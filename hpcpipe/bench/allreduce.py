@@ -1,11 +1,12 @@
-"""Data-parallel gradient reduction: `BucketedAllreduce` against one raw `Allreduce`.
+"""Data-parallel gradient reduction: `BucketedAllreduce` against raw mpi4py calls.
 
 The bucketed path is what the runtime runs when a stage's last W is done: the stage's flat
-gradient buffer cut into `--bucket-mb` slices, one `Iallreduce` per slice, then `wait`. Raw is
-`Allreduce(IN_PLACE)` of the whole buffer; "Iallreduce" is one raw `Iallreduce` + `Wait` of it,
-which splits the bucketed path's cost into MPI's nonblocking algorithm (Iallreduce / raw) and
-hpcpipe's own (bucketed / Iallreduce). Both reduce float32 in place; before timing, both
-results are checked bitwise against the exact sum (integer-valued data sums exactly).
+gradient buffer cut into `--bucket-mb` slices, each reduced in place (a persistent allreduce
+started every step where the MPI library has them, else one `Iallreduce` per slice), then
+`wait`. Raw is `Allreduce(IN_PLACE)` of the whole buffer; "Iallreduce" is one raw `Iallreduce` +
+`Wait`; "persistent" one raw `Allreduce_init` request (made once) `Start` + `Wait`, where
+available. All reduce float32 in place; before timing, the results are checked bitwise against
+the exact sum (integer-valued data sums exactly).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ COLUMNS = [
     Column("buckets", "buckets", "d", 7),
     Column("raw_us", "raw us", ".1f", 10),
     Column("nb_us", "Iallreduce us", ".1f", 10),
+    Column("persistent_us", "persistent us", ".1f", 10),
     Column("bucketed_us", "bucketed us", ".1f", 11),
     Column("ratio", "ratio", ".3f", 6),
     Column("nb_ratio", "bkt/Iallr", ".3f", 6),
@@ -64,22 +66,27 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
         )
     sizes = [s - s % 4 or 4 for s in size_range(args.min_bytes, args.max_bytes, args.factor)]
     bucket = int(args.bucket_mb * 2**20)
+    raw_comm, red_comm = comm.Dup(), comm.Dup()
+    reducer = BucketedAllreduce(red_comm, make_backend("cpu", "float32", 0), bucket)
     report = Report(
         "allreduce",
         [
             f"allreduce of float32 gradients on {comm.size} ranks: BucketedAllreduce "
-            f"({args.bucket_mb:g} MiB buckets, Iallreduce each, then wait) vs raw Allreduce "
-            "and one raw Iallreduce + Wait",
+            f"({args.bucket_mb:g} MiB buckets, {reducer.path} reduction of each, then wait) "
+            "vs raw Allreduce, one raw Iallreduce + Wait and one raw persistent Start + Wait",
             f"median call of each of {args.repeats} repetitions, methods interleaved; ratios "
             "per repetition; GB/s = buffer bytes / time; results checked bitwise first",
         ],
         COLUMNS,
-        params={"sizes": sizes, "repeats": args.repeats, "bucket_bytes": bucket},
+        params={
+            "sizes": sizes,
+            "repeats": args.repeats,
+            "bucket_bytes": bucket,
+            "path": reducer.path,
+        },
         stream=comm.rank == 0,
     )
     report.start()
-    raw_comm, red_comm = comm.Dup(), comm.Dup()
-    reducer = BucketedAllreduce(red_comm, make_backend("cpu", "float32", 0), bucket)
     for size in sizes:
         n = size // 4
         _check(comm, raw_comm, reducer, n)
@@ -98,7 +105,22 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
 
         calls = iterations(size, args.budget_mib << 20, 2, 500)
         methods = {"raw": raw, "nonblocking": nonblocking, "bucketed": bucketed}
+        prequest = (
+            raw_comm.Allreduce_init(MPI.IN_PLACE, raw_buf, op=MPI.SUM)
+            if reducer.persistent
+            else None
+        )
+        if prequest is not None:
+
+            def persistent(req: MPI.Prequest = prequest) -> None:
+                req.Start()
+                req.Wait()
+
+            methods["persistent"] = persistent
         times = compare(comm, methods, calls, args.repeats)
+        if prequest is not None:
+            prequest.Free()
+        reducer.free()  # this size's buffers are done with
         t_raw, t_b = median(times["raw"]), median(times["bucketed"])
         report.add(
             {
@@ -106,6 +128,9 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
                 "buckets": -(-size // bucket),
                 "raw_us": t_raw * 1e6,
                 "nb_us": median(times["nonblocking"]) * 1e6,
+                "persistent_us": median(times["persistent"]) * 1e6
+                if "persistent" in times
+                else None,
                 "bucketed_us": t_b * 1e6,
                 "ratio": median(times["bucketed"] / times["raw"]),
                 "nb_ratio": median(times["bucketed"] / times["nonblocking"]),

@@ -2,9 +2,14 @@
 workloads make (metrics, flags, agreement), named by operation so no workload needs mpi4py.
 
 Gradients of a stage live in one flat buffer (the per-parameter gradients are views into it),
-cut into buckets of about `bucket_bytes`. A stage's buckets are reduced with `Iallreduce` as soon
-as its last W has run, so the reduction overlaps the backward work left on other stages; the
-optimizer waits for all of them at the end of the step.
+cut into buckets of about `bucket_bytes`. A stage's buckets are reduced as soon as its last W
+has run, so the reduction overlaps the backward work left on other stages; the optimizer waits
+for all of them at the end of the step. The buffers live for the whole run, so on host memory
+each bucket gets an MPI-4 persistent allreduce (`Allreduce_init`) once and every step only
+starts them: no per-call argument handling, and the MPI library may plan the reduction once.
+Where the library or mpi4py has no persistent collectives (MPI 3, mpi4py 3) each step issues
+`Iallreduce` instead; device buffers always take that path (staged through host copies or,
+with a CUDA-aware MPI, after the producing stream is synchronised).
 """
 
 from __future__ import annotations
@@ -77,13 +82,27 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 @dataclass
 class BucketedAllreduce:
-    """Iallreduce (SUM) of flat buffers in buckets over a communicator; `wait` completes all."""
+    """In-place SUM of flat buffers in buckets over a communicator; `wait` completes all."""
 
     comm: MPI.Comm
     backend: Backend
     bucket_bytes: int = 4 << 20
+    persistent: bool | None = None
+    """Persistent collectives for host buffers: None uses them where the MPI library has them,
+    False never (the fallback path, also what MPI 3 gets)."""
     _pending: list[tuple[MPI.Request, Any, Any, str]] = field(default_factory=list)
+    _active: list[MPI.Request] = field(default_factory=list)
+    _requests: dict[int, tuple[FlatBuffer, list[MPI.Request]]] = field(default_factory=dict)
     bytes_reduced: int = 0
+
+    def __post_init__(self) -> None:
+        if self.persistent is None:
+            self.persistent = hasattr(self.comm, "Allreduce_init")
+
+    @property
+    def path(self) -> str:
+        """How host buffers are reduced: "persistent" or "nonblocking" (for logs and tables)."""
+        return "persistent" if self.persistent else "nonblocking"
 
     def start(self, buffer: FlatBuffer, key: str = "") -> None:
         """Begin reducing `buffer` in place; no-op on a communicator of one rank."""
@@ -91,6 +110,10 @@ class BucketedAllreduce:
             return
         maybe_fail("allreduce")
         flat = buffer.flat
+        if not self.backend.on_gpu:  # host memory: MPI reads and writes the buffer itself
+            self._start_host(buffer)
+            self.bytes_reduced += flat.nbytes
+            return
         per = max(1, self.bucket_bytes // flat.itemsize)
         chunks = [flat[lo : lo + per] for lo in range(0, flat.size, per)]
         slots = [f"ar{key}.{b}" for b in range(len(chunks))]
@@ -105,11 +128,48 @@ class BucketedAllreduce:
             self._pending.append((req, chunk, buf, slots[b]))
             self.bytes_reduced += chunk.nbytes
 
+    def _start_host(self, buffer: FlatBuffer) -> None:
+        if self.persistent:
+            known = self._requests.get(id(buffer))
+            if known is None:
+                try:
+                    reqs = [
+                        self.comm.Allreduce_init(MPI.IN_PLACE, chunk, op=MPI.SUM)
+                        for chunk in self._chunks(buffer)
+                    ]
+                except NotImplementedError:  # mpi4py 4 over an MPI-3 library
+                    self.persistent = False
+                    self._start_host(buffer)
+                    return
+                # the buffer is kept alive with its requests, so its id cannot be reused
+                known = self._requests[id(buffer)] = (buffer, reqs)
+            MPI.Prequest.Startall(known[1])
+            self._active.extend(known[1])
+            return
+        for chunk in self._chunks(buffer):
+            self._active.append(self.comm.Iallreduce(MPI.IN_PLACE, chunk, op=MPI.SUM))
+
+    def _chunks(self, buffer: FlatBuffer) -> list[Any]:
+        flat = buffer.flat
+        per = max(1, self.bucket_bytes // flat.itemsize)
+        return [flat[lo : lo + per] for lo in range(0, flat.size, per)]
+
     def wait(self) -> None:
         """Complete every started bucket (and copy staged ones back to the device)."""
+        if self._active:
+            MPI.Request.Waitall(self._active)  # persistent ones stay allocated, inactive
+            self._active.clear()
         if not self._pending:
             return
         MPI.Request.Waitall([r for r, _, _, _ in self._pending])
         for _, chunk, buf, slot in self._pending:
             self.backend.finish_recv(chunk, buf, slot)  # staged: back to the device, async
         self._pending.clear()
+
+    def free(self) -> None:
+        """Release the persistent requests (after the last step)."""
+        self.wait()
+        for _, reqs in self._requests.values():
+            for req in reqs:
+                req.Free()
+        self._requests.clear()

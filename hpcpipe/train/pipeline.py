@@ -344,6 +344,11 @@ class PipelineRank:
             out.setdefault(i, {})[k] = v
         return out
 
+    def free(self) -> None:
+        """Release what the reductions keep across steps (persistent requests)."""
+        self.reducer.free()
+        self.expert_reducer.free()
+
     def local_sq_norms(self) -> tuple[float, float]:
         """Squared norms of this rank's (dense, expert) gradients, in float64 (one host copy)."""
         xp = self.xp

@@ -312,6 +312,7 @@ class Trainer:
         elif cfg.train.verify and complete and ctx.rank == 0:
             _verify(ctx, self.history["loss"], final, self.m)
         ctx.comms.world.Barrier()
+        self.runner.free()
         if self.group is not None:
             self.group.free()
 
