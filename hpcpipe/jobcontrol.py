@@ -15,12 +15,11 @@ from typing import Any
 
 from hpcpipe.config import ConfigError
 from hpcpipe.io.checkpoint import CheckpointError, latest_checkpoint, resolve_checkpoint
-from hpcpipe.signals import StopSignal, catch_stop_signals
+from hpcpipe.signals import StopSignal
 
 __all__ = [
     "STATES",
     "StopSignal",
-    "catch_stop_signals",
     "find_checkpoint",
     "older_hint",
     "write_status",

@@ -20,6 +20,8 @@ import sys
 import threading
 from typing import Any
 
+from hpcpipe.mpi.guard import launcher_rank
+
 __all__ = ["StopSignal", "catch_stop_signals"]
 
 
@@ -87,10 +89,10 @@ class _SignalThread:
             name = signal.Signals(signum).name
             with self.lock:
                 if signum in self.received:  # asked twice: stop now, like the default action
-                    if _is_rank_zero():  # one line for the job, not one per rank
+                    if launcher_rank() == 0:  # one line for the job, not one per rank
                         print(f"hpcpipe: second {name}: exiting now", file=sys.stderr, flush=True)
                     os._exit(128 + signum)
-                if signum == signal.SIGINT and _is_rank_zero():
+                if signum == signal.SIGINT and launcher_rank() == 0:
                     print(
                         f"hpcpipe: {name}: stopping after this step with a checkpoint "
                         "(press Ctrl-C again to exit at once)",
@@ -101,14 +103,6 @@ class _SignalThread:
                 for listener in self.listeners:
                     if listener.received is None:
                         listener.received = signum
-
-
-def _is_rank_zero() -> bool:
-    """Rank 0 by the launcher's variables (MPI may not be started yet): one line, not N."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return os.environ[var] == "0"
-    return True
 
 
 _THREAD: list[_SignalThread] = []

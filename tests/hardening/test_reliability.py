@@ -343,3 +343,17 @@ def test_the_run_files_policy_lists_what_every_workload_writes():
     }
     assert {"metrics.h5", "status.json", "flux.h5"} <= written  # the scan finds them
     assert written <= {*RUN_FILES, "checkpoints"}, written - {*RUN_FILES, "checkpoints"}
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--allow-change", "optim.lr"], "--allow-change is for --resume"),
+        (["--resume", "--allow-change", "optim.lrr"], "'optim.lrr' is not compared on resume"),
+        (["--resume", "--allow-change", "topology.pp"], "is not compared on resume"),
+    ],
+    ids=["without-resume", "typo", "not-an-identity-key"],
+)
+def test_3_allow_change_names_only_compared_keys(args, words):
+    r = run_cli(["run", TRAIN, *args])
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.output
