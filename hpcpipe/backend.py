@@ -163,6 +163,8 @@ class Backend:
     _copy_stream: Any = field(default=None, repr=False)
     pinned_allocations: int = 0
     """How many pinned buffers were allocated (flat after the first step: buffers are reused)."""
+    pinned_bytes: int = 0
+    """Bytes of pinned staging memory held (bounded by the plans, not by microbatches)."""
 
     @property
     def on_gpu(self) -> bool:
@@ -201,6 +203,17 @@ class Backend:
         event = self.xp.cuda.Event(disable_timing=True)
         event.record(stream)
         return event
+
+    def record_event(self) -> Any:
+        """An event after the work queued so far on the compute stream: MPI may read what those
+        kernels wrote (or overwrite what they read) once it is done. Waiting on it is a targeted
+        host wait, not a stream or device synchronisation."""
+        return self._event(self.xp.cuda.get_current_stream())
+
+    def pending_copy(self, slot: str) -> Any:
+        """The event of the last asynchronous copy through staging `slot` (None if none is
+        pending): MPI must not touch the slot's buffer before it is done."""
+        return self._slot_events.pop(slot, None)
 
     # ------------------------------------------------------------------ counted host transfers
 
@@ -242,6 +255,8 @@ class Backend:
                 buf = np.frombuffer(mem, dtype=np.uint8, count=capacity)
             else:
                 buf = np.empty(capacity, dtype=np.uint8)
+            old = self._pinned.get(slot)
+            self.pinned_bytes += capacity - (old.nbytes if old is not None else 0)
             self._pinned[slot] = buf
             self.pinned_allocations += 1
         return buf[:nbytes]
@@ -301,26 +316,6 @@ class Backend:
         self._slot_events.clear()
 
     # ------------------------------------------------------------------ MPI buffers
-
-    def mpi_send_buffer(self, array: Any, slot: str = "send") -> Any:
-        """What to pass to MPI for sending `array`: itself, or a host copy in a pinned buffer."""
-        if not self.on_gpu:
-            return array
-        if self.cuda_aware:
-            if not array.flags.c_contiguous:
-                array = self.xp.ascontiguousarray(array)
-            self.synchronize()  # after the last kernel that touched `array`, copy included
-            return array
-        return self.stage_out(array, slot).wait()
-
-    def mpi_recv_buffer(self, array: Any, slot: str = "recv") -> Any:
-        """A buffer MPI can receive into for `array` (call `finish_recv` after completion)."""
-        if not self.on_gpu:
-            return array
-        if self.cuda_aware:
-            self.synchronize()  # pool memory may still be read by a kernel queued before
-            return array
-        return self._host_view(array, slot)
 
     def finish_recv(self, array: Any, buffer: Any, slot: str | None = None) -> None:
         """Copy a staged receive into its device array (no-op when MPI wrote it directly)."""

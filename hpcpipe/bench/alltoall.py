@@ -4,6 +4,10 @@ Each rank sends `size` bytes to every rank (rows of 128 float64, one expert per 
 message pattern of one dispatch with uniform routing. Methods, all on the same buffers:
 
     raw       comm.Alltoallv on preallocated buffers, counts computed once
+    pers      an MPI-4 persistent Alltoallv_init over the same buffers and counts, started and
+              waited per call: what a dispatch could gain if its counts were fixed (they are
+              not: routing changes them every step, so the MoE path cannot use it; measured to
+              know the price of that; absent where the MPI library has no persistent collectives)
     flat      ExpertGroup.alltoallv(rows, plan.forward, out=recv): the exchange every dispatch
               issues four times (tokens, outputs; gradients out and back)
     dispatch  ExpertGroup.plan(counts) + alltoallv into a fresh buffer: a whole F dispatch
@@ -30,11 +34,12 @@ from hpcpipe.mpi.experts import ExpertGroup
 __all__ = ["run"]
 
 WIDTH = 128  # float64 per row: 1 KiB rows
-METHODS = ("raw", "flat", "dispatch", "2-phase")
+METHODS = ("raw", "pers", "flat", "dispatch", "2-phase")
 
 COLUMNS = [
     Column("bytes", "bytes/peer", "d", 10),
     Column("raw_us", "raw us", ".1f", 9),
+    Column("pers_us", "pers us", ".1f", 9),
     Column("flat_us", "flat us", ".1f", 9),
     Column("dispatch_us", "dispatch us", ".1f", 9),
     Column("two_phase_us", "2-phase us", ".1f", 9),
@@ -48,8 +53,9 @@ COLUMNS = [
 
 def _exchanges(
     comm: MPI.Comm, flat: ExpertGroup, two: ExpertGroup, size: int
-) -> dict[str, Callable[[], object]]:
-    """The four exchanges of one buffer pair; raises if any receives other bytes than raw."""
+) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+    """The exchanges of one buffer pair (raises if any receives other bytes than raw), and a
+    cleanup for the persistent request."""
     p = comm.size
     rows = max(1, size // (WIDTH * 8))
     counts = np.full(p, rows, dtype=np.int64)  # one expert per rank
@@ -59,8 +65,19 @@ def _exchanges(
     displs = [i * rows * WIDTH for i in range(p)]
     plan, plan2 = flat.plan(counts), two.plan(counts)
 
+    spec = ([send, (elems, displs), MPI.DOUBLE], [recv, (elems, displs), MPI.DOUBLE])
+
     def raw() -> None:
-        comm.Alltoallv([send, (elems, displs), MPI.DOUBLE], [recv, (elems, displs), MPI.DOUBLE])
+        comm.Alltoallv(*spec)
+
+    try:
+        request = comm.Alltoallv_init(*spec)
+    except (AttributeError, NotImplementedError):  # mpi4py 3, or an MPI-3 library
+        request = None
+
+    def pers() -> None:
+        request.Start()
+        request.Wait()
 
     def a2a() -> None:
         flat.alltoallv(send, plan.forward, out=recv)
@@ -73,7 +90,11 @@ def _exchanges(
 
     raw()
     expected = recv.copy()
+    recv[...] = 0
+    if request is not None:
+        pers()
     outs = (
+        *((recv.copy(),) if request is not None else ()),
         flat.alltoallv(send, plan.forward),
         dispatch(),
         two.alltoallv(send, plan2.forward),
@@ -81,7 +102,11 @@ def _exchanges(
     same = all(np.array_equal(out, expected) for out in outs)
     if not comm.allreduce(int(same), op=MPI.MIN):
         raise RuntimeError(f"alltoall: {size} bytes/peer: a method received other rows than raw")
-    return dict(zip(METHODS, (raw, a2a, dispatch, two_phase), strict=True))
+    fns = dict(zip(METHODS, (raw, pers, a2a, dispatch, two_phase), strict=True))
+    if request is None:
+        del fns["pers"]
+        return fns, lambda: None
+    return fns, request.Free
 
 
 def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
@@ -99,7 +124,7 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
         [
             f"MoE dispatch all-to-all on {p} ranks, {WIDTH * 8}-byte rows, one expert per rank: "
             "ExpertGroup flat / dispatch (counts + plan + rows) / two-phase (2 virtual nodes) "
-            "vs raw Alltoallv",
+            "vs raw Alltoallv and persistent Alltoallv_init (pers, fixed counts)",
             f"one exchange: median call of each of {args.repeats} repetitions, methods interleaved;"
             " ratios per repetition; MB/s = bytes sent to other ranks / latency; received rows "
             "checked bitwise against raw first",
@@ -112,14 +137,16 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
     flat = ExpertGroup(comm, p)
     two = ExpertGroup(comm, p, node=comm.rank * 2 // p, hierarchical=True, virtual_nodes=True)
     for size in sorted(set(sizes)):
-        fns = _exchanges(comm, flat, two, size)
+        fns, free = _exchanges(comm, flat, two, size)
         calls = iterations(p * size, args.budget_mib << 20, 2, 200)
         t = compare(comm, fns, calls, args.repeats)
-        lat = {m: median(t[m]) for m in METHODS}
+        free()
+        lat = {m: median(t[m]) for m in fns}
         report.add(
             {
                 "bytes": size,
                 "raw_us": lat["raw"] * 1e6,
+                "pers_us": lat.get("pers", float("nan")) * 1e6,
                 "flat_us": lat["flat"] * 1e6,
                 "dispatch_us": lat["dispatch"] * 1e6,
                 "two_phase_us": lat["2-phase"] * 1e6,
@@ -129,7 +156,7 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
                 "raw_mbps": (p - 1) * size / lat["raw"] / 1e6,
                 "flat_mbps": (p - 1) * size / lat["flat"] / 1e6,
                 "iters": calls,
-                "us_all": {m: t[m] * 1e6 for m in METHODS},
+                "us_all": {m: t[m] * 1e6 for m in fns},
             }
         )
     flat.free()

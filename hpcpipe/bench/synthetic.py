@@ -65,11 +65,11 @@ class PollingMailbox(Mailbox):
 
     poll_s: float = 20e-6
 
-    def wait_recv(self, stage: int, microbatch: int, direction: int) -> Any:
-        request = self._recvs[(stage, microbatch, direction)].request
+    def wait_recv(self, i: int) -> Any:
+        request = self._order[i].request
         while not request.Test():
             time.sleep(self.poll_s)
-        return super().wait_recv(stage, microbatch, direction)  # completes at once
+        return super().wait_recv(i)  # completes at once
 
 
 def _pause(seconds: float) -> None:
@@ -144,7 +144,10 @@ def _runner(
         act_shape=(act_elems,),
     )
     if poll_s > 0:
-        runner.mailbox = PollingMailbox(pp, runner.backend, runner.n_stages)
+        runner.mailbox.free()
+        runner.mailbox = PollingMailbox(
+            pp, runner.backend, runner.messages, runner.act_shape, runner.backend.dtype
+        )
         runner.mailbox.poll_s = poll_s
     return runner, pp
 

@@ -8,8 +8,11 @@ for all of them at the end of the step. The buffers live for the whole run, so o
 each bucket gets an MPI-4 persistent allreduce (`Allreduce_init`) once and every step only
 starts them: no per-call argument handling, and the MPI library may plan the reduction once.
 Where the library or mpi4py has no persistent collectives (MPI 3, mpi4py 3) each step issues
-`Iallreduce` instead; device buffers always take that path (staged through host copies or,
-with a CUDA-aware MPI, after the producing stream is synchronised).
+`Iallreduce` instead. Device buffers always take that path, without blocking the backward that
+starts them: staged buckets queue their device-to-host copies on the copy stream, direct ones
+(CUDA-aware MPI) record an event after the kernels that wrote them, and each bucket's reduction
+starts once its data is ready, checked between actions (`progress`) and waited for only at the
+end of the step (`wait`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hpcpipe.backend import Backend, StagedCopy
+from hpcpipe.backend import Backend
 from hpcpipe.faults import maybe_fail
 
 __all__ = ["BucketedAllreduce", "FlatBuffer", "allreduce", "allreduce_value"]
@@ -93,7 +96,9 @@ class BucketedAllreduce:
     _pending: list[tuple[MPI.Request, Any, Any, str]] = field(default_factory=list)
     _active: list[MPI.Request] = field(default_factory=list)
     _requests: dict[int, tuple[FlatBuffer, list[MPI.Request]]] = field(default_factory=dict)
+    _queued: list[tuple[Any, Any, Any, str, Any]] = field(default_factory=list)
     bytes_reduced: int = 0
+    host_waits: int = 0  # device buckets whose data the host had to wait for (at `wait`)
 
     def __post_init__(self) -> None:
         if self.persistent is None:
@@ -118,15 +123,34 @@ class BucketedAllreduce:
         chunks = [flat[lo : lo + per] for lo in range(0, flat.size, per)]
         slots = [f"ar{key}.{b}" for b in range(len(chunks))]
         if self.backend.staged:  # every bucket's copy queued at once on the copy stream
-            copies = [self.backend.stage_out(c, s) for c, s in zip(chunks, slots, strict=True)]
-        else:
-            self.backend.synchronize()  # MPI reads the buffer itself: its kernels must be done
-            copies = [StagedCopy(c) for c in chunks]  # nothing to copy: ready at once
-        for b, chunk in enumerate(chunks):
-            buf = copies[b].wait()  # each bucket's reduction starts as its copy lands
+            for chunk, slot in zip(chunks, slots, strict=True):
+                copy = self.backend.stage_out(chunk, slot)
+                self._queued.append((copy.event, chunk, copy.host, slot, copy))
+        else:  # MPI reads the device buffer itself once its kernels are done
+            event = self.backend.record_event()
+            for chunk, slot in zip(chunks, slots, strict=True):
+                self._queued.append((event, chunk, chunk, slot, None))
+        self.bytes_reduced += flat.nbytes
+        self.progress()
+
+    def progress(self) -> None:
+        """Start the queued device buckets whose data is ready, in order (every rank starts
+        its collectives in the same order); never blocks."""
+        self._start_queued(block=False)
+
+    def _start_queued(self, block: bool) -> None:
+        while self._queued:
+            event, chunk, buf, slot, copy = self._queued[0]
+            if event is not None and not event.done:
+                if not block:
+                    return
+                self.host_waits += 1
+                event.synchronize()
+            if copy is not None:
+                copy.wait()  # landed: drops its hold on the device source
+            self._queued.pop(0)
             req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            self._pending.append((req, chunk, buf, slots[b]))
-            self.bytes_reduced += chunk.nbytes
+            self._pending.append((req, chunk, buf, slot))
 
     def _start_host(self, buffer: FlatBuffer) -> None:
         if self.persistent:
@@ -156,6 +180,8 @@ class BucketedAllreduce:
 
     def wait(self) -> None:
         """Complete every started bucket (and copy staged ones back to the device)."""
+        if self._queued:
+            self._start_queued(block=True)
         if self._active:
             MPI.Request.Waitall(self._active)  # persistent ones stay allocated, inactive
             self._active.clear()

@@ -13,6 +13,11 @@
    SEND is): then no MPI implementation's buffering choices can hang it. The proof is either a
    global order of all messages that every rank follows (the lowering produces one, checked in
    one pass) or, failing that, a simulation of the blocking execution.
+   The proof also covers the runtime's per-channel tags (`messages`): one tag carries every
+   message into a stage in one direction, so each channel must be received in the order it is
+   sent. Under blocking semantics two messages of one channel received in the other order
+   deadlock (the sender waits in the first send, the receiver in the second receive), so any
+   schedule that passes step 4 has it.
 
 Errors are `ScheduleError`s that show the rank x step grid with the offending cells marked.
 """

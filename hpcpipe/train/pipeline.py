@@ -1,7 +1,8 @@
 """The pipeline interpreter: executes one rank's lowered schedule for one optimizer step.
 
 Every action goes through one dispatch (`_run_action`); compute actions call the stage's F, B
-or W, communication actions move activations and gradients through the pre-posting `Mailbox`.
+or W, communication actions move activations and gradients through the `Mailbox`, which posts
+each receive where the rank's message plan says (`hpcpipe.schedules.messages`).
 Data-parallel gradient reduction of a stage starts as soon as its last W has run. An error
 names the rank, the step and the action, and shows where it was in the rank's action list.
 """
@@ -22,8 +23,9 @@ from hpcpipe.moe.layer import is_expert_param
 from hpcpipe.mpi import Comm
 from hpcpipe.mpi.clock import world_ranks
 from hpcpipe.mpi.collectives import BucketedAllreduce, FlatBuffer
-from hpcpipe.mpi.p2p import BACKWARD, FORWARD, Mailbox
+from hpcpipe.mpi.p2p import Mailbox
 from hpcpipe.schedules.ir import Action, Kind, Schedule
+from hpcpipe.schedules.messages import plan_messages
 
 __all__ = ["PipelineRank", "StepResult"]
 
@@ -77,9 +79,10 @@ class PipelineRank:
         self.rank_of_stage = {s: r for r, ss in enumerate(schedule.stages_of_rank) for s in ss}
         self.n_stages = len(self.rank_of_stage)
         self.chunks_per_rank = len(schedule.stages_of_rank[rank])
-        self.mailbox = Mailbox(pp_comm, backend, self.n_stages)
+        self.messages = plan_messages(schedule, rank, recv_lookahead)
+        self.mailbox = Mailbox(pp_comm, backend, self.messages, self.act_shape, backend.dtype)
+        self._releases = self.messages.releases() if self.mailbox.needs_release else {}
         self.reducer = BucketedAllreduce(dp_comm, backend, bucket_bytes)
-        self.lookahead = recv_lookahead
         # Dense gradients are reduced over dp; expert gradients (sharded over ep) only over
         # the replicas of the same experts (expert_dp_comm), so each kind has its own buffer.
         self.grads: dict[int, FlatBuffer] = {}
@@ -106,9 +109,7 @@ class PipelineRank:
             self._peers = action_peers(schedule, rank, world_ranks(pp_comm)).tolist()
             nbytes = int(np.prod(self.act_shape)) * np.dtype(backend.dtype).itemsize
             self._nbytes = [nbytes if p >= 0 else 0 for p in self._peers]
-        self._recv_positions = [
-            i for i, a in enumerate(self.actions) if a.kind in (Kind.RECV_F, Kind.RECV_B)
-        ]
+        self._post_at = [r.post_at for r in self.messages.receives]
         self._step_no, self._pos = -1, -1  # where this rank is, for the watchdog's report
 
     # ------------------------------------------------------------------ one step
@@ -135,25 +136,29 @@ class PipelineRank:
         self._m = self.schedule.num_microbatches
         times: dict[tuple[str, int], float] = {}
         compute = 0
-        next_recv = 0
+        post_at, next_recv, n_recv = self._post_at, 0, len(self._post_at)
+        post, releases = self.mailbox.post_recv, self._releases
+        self._n_sent = self._n_received = 0  # the step's sends and receives so far (plan order)
+        reducers = [r for r in (self.reducer, self.expert_reducer) if r.backend.on_gpu]
         rec, now = self.rec, self.rec.now
         t_step = now()
         self._step_no = step + 1  # reports number steps from 1, like the log
         for pos, action in enumerate(self.actions):
             self._pos = pos
-            # keep receives posted ahead, so senders never wait for this rank to catch up
-            while (
-                next_recv < len(self._recv_positions)
-                and self._recv_positions[next_recv] < pos + self.lookahead
-            ):
-                self._post(self.actions[self._recv_positions[next_recv]])
+            # receives posted ahead, as planned, so senders never wait for this rank
+            while next_recv < n_recv and post_at[next_recv] <= pos:
+                post(next_recv)
                 next_recv += 1
             self.mailbox.progress()
+            for reducer in reducers:
+                reducer.progress()
             t0 = now()
             try:
                 self._run_action(action, step)
             except Exception as exc:
                 raise ActionError(self._where(step + 1, pos, exc)) from exc
+            if pos in releases:
+                self.mailbox.release(releases[pos])
             t1 = now()
             if rec.enabled:
                 rec.record(
@@ -236,16 +241,6 @@ class PipelineRank:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _post(self, action: Action) -> None:
-        s, mb = action.stage, action.microbatch
-        if action.kind == Kind.RECV_F:
-            self.mailbox.post_recv(self._empty, self.rank_of_stage[s - 1], s, mb, FORWARD)
-        else:
-            self.mailbox.post_recv(self._empty, self.rank_of_stage[s + 1], s, mb, BACKWARD)
-
-    def _empty(self) -> Any:
-        return self.xp.empty(self.act_shape, dtype=self.backend.dtype)
-
     def _run_action(self, action: Action, step: int) -> None:
         s, kind, mb = action
         key = (s, mb)
@@ -261,19 +256,17 @@ class PipelineRank:
             self._backward_input(s, mb)
             self._backward_weight(s, mb)
         elif kind == Kind.SEND_F:
-            self.mailbox.send(self._outputs.pop(key), self.rank_of_stage[s + 1], s + 1, mb, FORWARD)
+            self.mailbox.send(self._outputs.pop(key), self._n_sent)
+            self._n_sent += 1
         elif kind == Kind.SEND_B:
-            self.mailbox.send(
-                self._dgrad_out.pop(key), self.rank_of_stage[s - 1], s - 1, mb, BACKWARD
-            )
+            self.mailbox.send(self._dgrad_out.pop(key), self._n_sent)
+            self._n_sent += 1
         elif kind == Kind.RECV_F:
-            if not self.mailbox.is_posted(s, mb, FORWARD):
-                self._post(action)
-            self._inputs[key] = self.mailbox.wait_recv(s, mb, FORWARD)
+            self._inputs[key] = self.mailbox.wait_recv(self._n_received)
+            self._n_received += 1
         elif kind == Kind.RECV_B:
-            if not self.mailbox.is_posted(s, mb, BACKWARD):
-                self._post(action)
-            self._dgrad_in[key] = self.mailbox.wait_recv(s, mb, BACKWARD)
+            self._dgrad_in[key] = self.mailbox.wait_recv(self._n_received)
+            self._n_received += 1
         else:
             raise ValueError(f"unknown action kind {kind!r}")
 
@@ -345,7 +338,8 @@ class PipelineRank:
         return out
 
     def free(self) -> None:
-        """Release what the reductions keep across steps (persistent requests)."""
+        """Release what the transport and reductions keep across steps (persistent requests)."""
+        self.mailbox.free()
         self.reducer.free()
         self.expert_reducer.free()
 

@@ -165,6 +165,11 @@ class Trainer:
                 else ""
             )
         )
+        if self.schedule.num_ranks > 1:
+            ctx.log(
+                f"pipeline rank {self.coords['pp']}: "
+                + self.runner.messages.describe(self.runner.mailbox.nbytes)
+            )
 
     def restore(self) -> int:
         """Load the checkpoint named by --resume; returns the step to continue from."""

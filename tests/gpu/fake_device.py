@@ -13,9 +13,10 @@ CuPy where the difference matters to the code under test:
   that stream or a later event on it is synchronised, waited for or polled (`Event.done`), so
   a missing event or synchronisation shows up as wrong numbers; `Event.delay_queries` makes
   `done` answer False a few times first, to exercise code that polls;
-- kernels (ufuncs, array functions, fancy indexing, astype/copy) mark the current stream busy
-  until it is synchronised; `check_mpi_buffer` (used by `fake_mpi.RecordingComm`) says whether
-  handing a buffer to MPI now would be a race.
+- kernels (ufuncs, array functions, fancy indexing, astype/copy) record the memory they use;
+  `check_mpi_buffer` (used by `fake_mpi.RecordingComm`) says whether handing a buffer to MPI
+  now would be a race: a device buffer is safe once the host knows every kernel that used it
+  has completed (its stream synchronised, or a later event on it waited for or polled done).
 
 Not caught: `np.asarray(device_array)` (NumPy gives subclasses a base view without asking; CuPy
 raises TypeError there, so the real-GPU tests catch it), and memory-pool reuse while a copy is
@@ -28,6 +29,7 @@ import functools
 import itertools
 import os
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +80,38 @@ def _h2d(nbytes: int, how: str) -> None:
     STATS.log.append(("h2d", how, int(nbytes)))
 
 
-def _kernel() -> None:
+_touched: dict[int, tuple[Stream, int]] = {}  # memory owner -> (stream, seq) of its last kernel
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _touch(obj: Any, stream: Stream, seq: int) -> None:
+    if isinstance(obj, np.ndarray):
+        root = _root(obj)
+        key = id(root)
+        if key not in _touched:
+            weakref.finalize(root, _touched.pop, key, None)
+        _touched[key] = (stream, seq)
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            _touch(x, stream, seq)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _touch(x, stream, seq)
+
+
+def _kernel(*used: Any) -> None:
     """Work was queued on the current stream (the fake runs it at once, but the host has not
-    waited for it until that stream is synchronised)."""
+    waited for it until that stream is synchronised, or an event recorded after it has been
+    waited for or polled done). `used`: the arrays it reads or writes."""
     stream = _current
-    stream.last_work = next(_seq)
+    seq = stream.last_work = next(_seq)
+    for obj in used:
+        _touch(obj, stream, seq)
 
 
 # --------------------------------------------------------------------------- streams, events
@@ -267,7 +296,7 @@ class ndarray(np.ndarray):
         if out is not None:
             kwargs["out"] = tuple(_unwrap(o) for o in out)
         result = getattr(ufunc, method)(*(_unwrap(x) for x in inputs), **kwargs)
-        _kernel()
+        _kernel(self, inputs, out, result)
         if method == "at":
             return None
         if out is not None:
@@ -277,32 +306,34 @@ class ndarray(np.ndarray):
     def __array_function__(self, func: Any, types_: Any, args: Any, kwargs: Any) -> Any:
         _reject_host(func.__name__, args)
         result = func(*_unwrap(args), **_unwrap(kwargs))
-        _kernel()
+        _kernel(args, kwargs, result)
         return _wrap(result)
 
     def __getitem__(self, key: Any) -> Any:
         result = super().__getitem__(key)
         if not isinstance(result, np.ndarray) or not np.shares_memory(result, self):
-            _kernel()  # a gather: a kernel on the device
+            _kernel(self, result)  # a gather: a kernel on the device
         return _wrap(result)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if _is_host_array(value):
             _h2d(value.nbytes, "setitem")
         super().__setitem__(key, value)
-        _kernel()
+        _kernel(self, value)
 
     def __iter__(self) -> Any:
         for i in range(len(self)):
             yield self[i]
 
     def astype(self, *args: Any, **kwargs: Any) -> Any:
-        _kernel()
-        return _wrap(super().astype(*args, **kwargs))
+        result = super().astype(*args, **kwargs)
+        _kernel(self, result)
+        return _wrap(result)
 
     def copy(self, *args: Any, **kwargs: Any) -> Any:
-        _kernel()
-        return _wrap(super().copy(*args, **kwargs))
+        result = super().copy(*args, **kwargs)
+        _kernel(self, result)
+        return _wrap(result)
 
     # conversions to the host: each one a device-to-host copy (and a wait for the stream)
     def _host(self, how: str) -> np.ndarray:
@@ -385,8 +416,9 @@ class _UFunc:
         _reject_host(self.__name__, args)
         if any(isinstance(a, ndarray) for a in args) or "out" in kwargs:
             return self._u(*args, **kwargs)  # dispatches to ndarray.__array_ufunc__
-        _kernel()
-        return _wrap(self._u(*args, **kwargs))  # scalars in: a 0-d device array out
+        result = self._u(*args, **kwargs)
+        _kernel(result)
+        return _wrap(result)  # scalars in: a 0-d device array out
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._u, name)
@@ -412,14 +444,14 @@ def asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
     host = np.array(a, dtype=dtype, order=order or "K", copy=True)
     if isinstance(a, np.ndarray) and a.ndim > 0:
         _h2d(host.nbytes, "asarray")
-    _kernel()
+    _kernel(host)
     return host.view(ndarray)
 
 
 def array(a: Any, dtype: Any = None, copy: bool = True, order: str = "K", ndmin: int = 0) -> Any:
     if isinstance(a, ndarray):
         out = np.array(a.view(np.ndarray), dtype=dtype, copy=copy, order=order, ndmin=ndmin)
-        _kernel()
+        _kernel(a, out)
         return out.view(ndarray)
     return asarray(np.array(a, dtype=dtype, order=order, ndmin=ndmin))
 
@@ -429,8 +461,9 @@ def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
         return asarray(np.ascontiguousarray(a, dtype=dtype))
     if a.flags.c_contiguous and (dtype is None or a.dtype == np.dtype(dtype)):
         return a
-    _kernel()
-    return np.ascontiguousarray(a.view(np.ndarray), dtype=dtype).view(ndarray)
+    result = np.ascontiguousarray(a.view(np.ndarray), dtype=dtype)
+    _kernel(a, result)
+    return result.view(ndarray)
 
 
 def asnumpy(
@@ -460,7 +493,7 @@ def __getattr__(name: str) -> Any:
             if name not in _SHAPE_ONLY:
                 _reject_host(name, args)
             result = obj(*_unwrap(args), **_unwrap(kwargs))
-            _kernel()
+            _kernel(args, kwargs, result)
             return _wrap(result)
 
     globals()[name] = wrapped
@@ -510,8 +543,12 @@ cuda = types.SimpleNamespace(
 def check_mpi_buffer(buf: Any) -> str | None:
     """Why handing `buf` to MPI now would be a race (None when it is safe)."""
     if isinstance(buf, ndarray):
-        if _current.dirty:
-            return "device buffer handed to MPI with kernels queued since the last synchronize"
+        last = _touched.get(id(_root(buf)))
+        if last is not None and last[1] > last[0].synced:
+            return (
+                "device buffer handed to MPI while a kernel that used it may still run (no "
+                "synchronisation or completed event since)"
+            )
         return None
     if isinstance(buf, np.ndarray):
         for op in _pending:

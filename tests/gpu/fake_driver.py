@@ -94,6 +94,9 @@ def train_case(name: str, deck: str, aware: str, delay: int, extra: list[str]) -
                     1 for e in log if e[0] == "mpi" and e[2] == "host" and e[1] != "Alltoall"
                 ),
                 "syncs": sum(1 for e in log if e[0] in ("sync", "event_sync")),
+                "stream_syncs": sum(1 for e in log if e[0] == "sync"),
+                "host_waits": runner.mailbox.host_waits,
+                "receives": len(runner.messages.receives),
                 "deferred": runner.mailbox.sends_deferred,
             }
         )

@@ -5,7 +5,8 @@ and collective calls first ask `fake_device.check_mpi_buffer` whether the buffer
 to MPI now: a device buffer needs its producing stream synchronised, a staged host buffer needs
 its copy to have landed. Each call appends ("mpi", name, where) to the fake's event log and any
 violation to `VIOLATIONS`, so a test can assert both the order of events and that there were
-none. `Dup` and `Split` return recording communicators too.
+none. `Dup` and `Split` return recording communicators too; persistent requests are checked
+at each `Start`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class RecordingComm(MPI.Intracomm):
         self._check("Recv", buf)
         return super().Recv(buf, *args, **kwargs)
 
+    def Recv_init(self, buf: Any, *args: Any, **kwargs: Any) -> RecordingPrequest:
+        return RecordingPrequest(self, "Recv_init", buf, super().Recv_init(buf, *args, **kwargs))
+
+    def Send_init(self, buf: Any, *args: Any, **kwargs: Any) -> RecordingPrequest:
+        return RecordingPrequest(self, "Send_init", buf, super().Send_init(buf, *args, **kwargs))
+
     def Iallreduce(self, sendbuf: Any, recvbuf: Any, *args: Any, **kwargs: Any) -> MPI.Request:
         self._check("Iallreduce", sendbuf, recvbuf)
         return super().Iallreduce(sendbuf, recvbuf, *args, **kwargs)
@@ -81,3 +88,24 @@ class RecordingComm(MPI.Intracomm):
 
     def Split(self, *args: Any, **kwargs: Any) -> RecordingComm:
         return RecordingComm(super().Split(*args, **kwargs))
+
+
+class RecordingPrequest:
+    """A persistent request whose every `Start` is checked and logged like a nonblocking call
+    (MPI touches the buffer from `Start` on, not from `Send_init`/`Recv_init`)."""
+
+    def __init__(self, comm: RecordingComm, name: str, buf: Any, request: MPI.Prequest):
+        self.comm, self.name, self.buf, self.request = comm, name, buf, request
+
+    def Start(self) -> None:
+        self.comm._check(self.name, self.buf)
+        self.request.Start()
+
+    def Wait(self, status: Any = None) -> bool:
+        return self.request.Wait(status)
+
+    def Test(self, status: Any = None) -> bool:
+        return self.request.Test(status)
+
+    def Free(self) -> None:
+        self.request.Free()

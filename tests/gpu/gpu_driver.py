@@ -46,9 +46,13 @@ def backends(dtype: str) -> tuple[Backend, Backend | None, str]:
 
 
 def mailbox_case() -> dict[str, Any]:
-    """Rank 0 sends 4 device activations forward, rank 1 sends them back doubled: direct,
-    staged, and staged with deferred (overlapped) sends; every value checked on the device."""
-    from hpcpipe.mpi.p2p import BACKWARD, FORWARD, Mailbox
+    """Rank 0 sends 4 device activations forward, rank 1 sends them back doubled, through the
+    plan of a 1F1B pipeline of 2 stages: direct, staged, and staged with deferred (overlapped)
+    sends; every value checked on the device; pinned buffers reused in the second step."""
+    from hpcpipe.mpi.p2p import Mailbox
+    from hpcpipe.schedules import build_schedule, validate
+    from hpcpipe.schedules.ir import Kind
+    from hpcpipe.schedules.messages import plan_messages
 
     staged, direct, reason = backends("float64")
     out: dict[str, Any] = {"case": "mailbox", "reason": reason}
@@ -56,31 +60,47 @@ def mailbox_case() -> dict[str, Any]:
     if direct is not None:
         modes.append(("direct", direct, False))
     n, m = 1 << 16, 4
+    sched = validate(build_schedule("1f1b", 2, m))
+    plan = plan_messages(sched, COMM.rank, lookahead=2)
+    actions = sched.rank_actions(COMM.rank)
     for name, backend, overlap in modes:
         comm = COMM.Dup()
-        box = Mailbox(comm, backend, n_stages=2, overlap=overlap)
+        box = Mailbox(comm, backend, plan, (n,), np.float64, overlap=overlap)
+        releases = plan.releases() if box.needs_release else {}
         ok = True
-        for _step in range(2):  # the second step reuses every pinned slot
-            for mb in range(m):
-                if COMM.rank == 0:
-                    box.post_recv(lambda: cupy.empty(n), 1, 0, mb, BACKWARD)
-                    box.send(cupy.arange(n, dtype=np.float64) * (mb + 1), 1, 1, mb, FORWARD)
-                else:
-                    box.post_recv(lambda: cupy.empty(n), 0, 1, mb, FORWARD)
-                    got = box.wait_recv(1, mb, FORWARD)
-                    box.send(got * 2.0, 0, 0, mb, BACKWARD)
-            if COMM.rank == 0:
-                for mb in range(m):
-                    back = box.wait_recv(0, mb, BACKWARD)
+        for _step in range(2):  # the second step reuses every buffer
+            sent = received = posted = 0
+            for pos, action in enumerate(actions):
+                while posted < len(plan.receives) and plan.receives[posted].post_at <= pos:
+                    box.post_recv(posted)
+                    posted += 1
+                box.progress()
+                mb = action.microbatch
+                if action.kind == Kind.SEND_F:
+                    box.send(cupy.arange(n, dtype=np.float64) * (mb + 1), sent)
+                    sent += 1
+                elif action.kind == Kind.RECV_F:
+                    got = box.wait_recv(received) * 2.0  # rank 1: doubled, sent back at SEND_B
+                    received += 1
+                elif action.kind == Kind.SEND_B:
+                    box.send(got, sent)
+                    sent += 1
+                elif action.kind == Kind.RECV_B:
+                    back = box.wait_recv(received)
+                    received += 1
                     want = cupy.arange(n, dtype=np.float64) * (mb + 1) * 2.0
                     ok &= bool(cupy.array_equal(back, want))
+                if pos in releases:
+                    box.release(releases[pos])
             box.drain()
-        backend.synchronize()
+        backend.record_event().synchronize()
         out[name] = {
             "ok": bool(COMM.allreduce(int(ok), op=MPI.MIN)),
             "pinned": backend.pinned_allocations,
             "deferred": box.sends_deferred,
         }
+        out["bound"] = plan.receive_buffers + sum(plan.send_slots.values())
+        box.free()
         comm.Free()
     out["has_direct"] = direct is not None
     return out

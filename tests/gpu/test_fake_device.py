@@ -18,6 +18,7 @@ handed to MPI is safe. These tests check that:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -144,39 +145,61 @@ def test_stage_in_orders_later_kernels_after_the_copy_without_blocking_the_host(
 # ------------------------------------------------------------------------- p2p ordering
 
 
-def self_mailbox(backend: Backend, overlap: bool = False):
+def self_mailbox(backend: Backend, overlap: bool = False, microbatches: int = 1, lookahead=1):
+    """A mailbox on one rank that sends stage 1's activations to itself: rank 0 plays both
+    ends of a two-stage pipeline, one message in flight per microbatch."""
     from hpcpipe.mpi.p2p import Mailbox
+    from hpcpipe.schedules.messages import MessagePlan, Receive, Send
 
-    return Mailbox(fake_mpi.RecordingComm(MPI.COMM_SELF.Dup()), backend, 2, overlap=overlap)
+    m = microbatches
+    receives = tuple(Receive(1, mb, 0, 0, mb % 2, 3 * mb, 3 * mb + 2) for mb in range(m))
+    sends = tuple(Send(1, mb, 0, 0) for mb in range(m))
+    plan = MessagePlan(0, receives, {2: min(m, 2)}, {2: 0}, sends, {2: min(m, 2)}, lookahead)
+    comm = fake_mpi.RecordingComm(MPI.COMM_SELF.Dup())
+    return Mailbox(comm, backend, plan, (32,), np.float64, overlap=overlap)
 
 
-def test_mailbox_direct_synchronises_the_stream_right_before_mpi(fake):
-    from hpcpipe.mpi.p2p import FORWARD
-
+def test_mailbox_direct_waits_for_an_event_not_the_stream_before_mpi(fake):
     fake.cuda_aware = True
     box = self_mailbox(fake)
-    box.post_recv(lambda: fake_device.empty(32), 0, 1, 0, FORWARD)
+    box.post_recv(0)
     y = fake_device.arange(32.0) * 2  # a kernel producing the message
     fake_device.reset()
-    box.send(y, 0, 1, 0, FORWARD)
-    got = box.wait_recv(1, 0, FORWARD)
+    box.send(y, 0)
+    got = box.wait_recv(0)
     box.drain()
-    log = [e for e in fake_device.STATS.log if e[0] in ("sync", "mpi")]
-    assert log[:2] == [("sync", "null"), ("mpi", "Isend", "device")]
-    assert fake_mpi.VIOLATIONS == []
+    log = [e for e in fake_device.STATS.log if e[0] in ("sync", "record", "mpi")]
+    # an event after the producing kernel, polled (done: the fake's kernels finish at once),
+    # then MPI: never a stream-wide synchronisation
+    assert log[:2] == [("record", "null"), ("mpi", "Isend", "device")]
+    assert not events("sync")
+    assert fake_mpi.VIOLATIONS == []  # the fake checks the kernel had completed
     assert np.array_equal(got.view(np.ndarray), np.arange(32.0) * 2)
     assert fake_device.STATS.d2h == 0
 
 
-def test_mailbox_staged_sends_after_the_copy_and_copies_back_on_the_copy_stream(fake):
-    from hpcpipe.mpi.p2p import FORWARD
+def test_mailbox_direct_reuses_a_buffer_only_after_the_kernels_that_read_it(fake):
+    fake.cuda_aware = True
+    box = self_mailbox(fake, microbatches=4)
+    for mb in range(4):  # two buffers take turns; each is released after a kernel reads it
+        box.post_recv(mb)
+        box.send(fake_device.arange(32.0) + mb, mb)
+        got = box.wait_recv(mb)
+        assert np.array_equal((got * 1).view(np.ndarray), np.arange(32.0) + mb)
+        box.release(((2, mb % 2),))
+    box.drain()
+    assert fake_mpi.VIOLATIONS == []
+    starts = [e for e in fake_device.STATS.log if e[:2] == ("mpi", "Recv_init")]
+    assert len(starts) == 4  # one persistent request per buffer, started per message
 
+
+def test_mailbox_staged_sends_after_the_copy_and_copies_back_on_the_copy_stream(fake):
     box = self_mailbox(fake)
     for step in range(2):
-        box.post_recv(lambda: fake_device.empty(32), 0, 1, 0, FORWARD)
+        box.post_recv(0)
         fake_device.reset()
-        box.send(fake_device.arange(32.0) + step, 0, 1, 0, FORWARD)
-        got = box.wait_recv(1, 0, FORWARD)
+        box.send(fake_device.arange(32.0) + step, 0)
+        got = box.wait_recv(0)
         box.drain()
         out = (got * 1).view(np.ndarray)
         assert np.array_equal(out, np.arange(32.0) + step)
@@ -189,17 +212,28 @@ def test_mailbox_staged_sends_after_the_copy_and_copies_back_on_the_copy_stream(
     assert fake_mpi.VIOLATIONS == []
 
 
-def test_mailbox_overlap_defers_the_send_until_the_copy_lands(fake):
-    from hpcpipe.mpi.p2p import FORWARD
+def test_mailbox_staged_pinned_memory_is_bounded_by_the_plan_not_the_microbatches(fake):
+    box = self_mailbox(fake, microbatches=16)
+    for mb in range(16):
+        box.post_recv(mb)
+        box.send(fake_device.arange(32.0) * mb, mb)
+        got = box.wait_recv(mb)
+        assert np.array_equal((got * 1).view(np.ndarray), np.arange(32.0) * mb)
+    box.drain()
+    # 2 receive buffers (the plan's) + at most 2 send buffers, 256 bytes each: not 16 of each
+    assert fake.pinned_allocations <= 4 and fake.pinned_bytes <= 4 * 256
+    assert fake_mpi.VIOLATIONS == []
 
+
+def test_mailbox_overlap_defers_the_send_until_the_copy_lands(fake):
     fake_device.Event.delay_queries = 2
     box = self_mailbox(fake, overlap=True)
-    box.post_recv(lambda: fake_device.empty(32), 0, 1, 0, FORWARD)
-    box.send(fake_device.arange(32.0), 0, 1, 0, FORWARD)
-    assert box.sends_deferred == 1 and "staged sends copying" in box.describe_pending()
-    assert not any(e[:2] == ("mpi", "Isend") for e in fake_device.STATS.log)
+    box.post_recv(0)
+    box.send(fake_device.arange(32.0), 0)
+    assert box.sends_deferred == 1 and "device sends not ready" in box.describe_pending()
+    assert not any(e[:2] == ("mpi", "Send_init") for e in fake_device.STATS.log)
     box.progress()  # still copying: nothing posted, nothing blocks
-    got = box.wait_recv(1, 0, FORWARD)  # posts the deferred send before it blocks
+    got = box.wait_recv(0)  # posts the deferred send before it blocks
     box.drain()
     assert np.array_equal((got * 1).view(np.ndarray), np.arange(32.0))
     assert fake_mpi.VIOLATIONS == []
@@ -352,6 +386,13 @@ def test_training_step_copies_only_its_budget_and_hands_mpi_safe_buffers():
     check_training(records)
     overlap = next(r for r in records if r["case"] == "staged-overlap")
     assert sum(s["deferred"] for rk in overlap["ranks"] for s in rk["steps"]) > 0
+    for record in records:  # the transport never synchronises a stream; what is left per step
+        for rank in record["ranks"]:  # (end-of-step timing, loss and norm copies) stays flat
+            steps = rank["steps"]
+            assert all(s["stream_syncs"] <= 3 for s in steps), (record["case"], steps)
+            assert len({s["stream_syncs"] for s in steps[1:]}) == 1, (record["case"], steps)
+            for a, b in itertools.pairwise(steps):
+                assert b["host_waits"] - a["host_waits"] <= b["receives"], record["case"]
     direct = records[0]["ranks"]
     assert all(rk["expected_total"] <= 2 for rk in direct)  # loss + norms at most
 

@@ -53,7 +53,10 @@ def direct_or_skip(record: dict) -> None:
 def test_mailbox_moves_device_buffers_staged_and_direct():
     (record,) = run_gpu_driver(2, "mailbox")
     assert record["staged"]["ok"] and record["staged-overlap"]["ok"]
-    assert record["staged"]["pinned"] == 8  # 4 microbatches x (send + receive) slots, reused
+    # rank 0's pinned buffers: at most its plan's receive buffers + staged sends in flight, and
+    # the second step allocates none (both modes share one backend)
+    assert 0 < record["staged"]["pinned"] <= record["bound"]
+    assert record["staged-overlap"]["pinned"] == record["staged"]["pinned"]
     direct_or_skip(record)
     assert record["direct"]["ok"]
 
