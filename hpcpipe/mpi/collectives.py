@@ -97,12 +97,13 @@ class BucketedAllreduce:
     _active: list[MPI.Request] = field(default_factory=list)
     _requests: dict[int, tuple[FlatBuffer, list[MPI.Request]]] = field(default_factory=dict)
     _queued: list[tuple[Any, Any, Any, str, Any]] = field(default_factory=list)
-    bytes_reduced: int = 0
     host_waits: int = 0  # device buckets whose data the host had to wait for (at `wait`)
 
     def __post_init__(self) -> None:
         if self.persistent is None:
             self.persistent = hasattr(self.comm, "Allreduce_init")
+        self._alone = self.comm.size == 1
+        self._host = not self.backend.on_gpu
 
     @property
     def path(self) -> str:
@@ -111,14 +112,19 @@ class BucketedAllreduce:
 
     def start(self, buffer: FlatBuffer, key: str = "") -> None:
         """Begin reducing `buffer` in place; no-op on a communicator of one rank."""
-        if self.comm.size == 1:
+        if self._alone:
             return
         maybe_fail("allreduce")
-        flat = buffer.flat
-        if not self.backend.on_gpu:  # host memory: MPI reads and writes the buffer itself
-            self._start_host(buffer)
-            self.bytes_reduced += flat.nbytes
+        if self._host:  # host memory: MPI reads and writes the buffer itself
+            known = self._requests.get(id(buffer))
+            if known is not None:  # the hot path: this buffer's persistent requests
+                requests = known[1]
+                MPI.Prequest.Startall(requests)
+                self._active += requests
+            else:
+                self._start_host(buffer)
             return
+        flat = buffer.flat
         per = max(1, self.bucket_bytes // flat.itemsize)
         chunks = [flat[lo : lo + per] for lo in range(0, flat.size, per)]
         slots = [f"ar{key}.{b}" for b in range(len(chunks))]
@@ -130,7 +136,6 @@ class BucketedAllreduce:
             event = self.backend.record_event()
             for chunk, slot in zip(chunks, slots, strict=True):
                 self._queued.append((event, chunk, chunk, slot, None))
-        self.bytes_reduced += flat.nbytes
         self.progress()
 
     def progress(self) -> None:
@@ -180,11 +185,14 @@ class BucketedAllreduce:
 
     def wait(self) -> None:
         """Complete every started bucket (and copy staged ones back to the device)."""
+        active = self._active
+        if active:
+            MPI.Request.Waitall(active)  # persistent ones stay allocated, inactive
+            active.clear()
+        if self._host:
+            return
         if self._queued:
             self._start_queued(block=True)
-        if self._active:
-            MPI.Request.Waitall(self._active)  # persistent ones stay allocated, inactive
-            self._active.clear()
         if not self._pending:
             return
         MPI.Request.Waitall([r for r, _, _, _ in self._pending])

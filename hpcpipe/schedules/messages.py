@@ -111,14 +111,17 @@ class MessagePlan:
             out.setdefault(r.release_after, []).append((r.tag, r.slot))
         return {pos: tuple(v) for pos, v in out.items()}
 
-    def describe(self, message_bytes: int) -> str:
-        """One line for the log: the buffers this plan keeps, and their bytes."""
-        n_send = sum(self.send_slots.values())
-        mib = (self.receive_buffers + n_send) * message_bytes / 2**20
+    def describe(self, message_bytes: int, staged: bool = False) -> str:
+        """One line for the log: the buffers this plan keeps, and their bytes (with `staged`,
+        the pinned staging buffers of device sends too)."""
+        n = self.receive_buffers + (sum(self.send_slots.values()) if staged else 0)
+        kib = n * message_bytes / 1024
+        size = f"{kib / 1024:.1f} MiB" if kib >= 1024 else f"{kib:.0f} KiB"
+        sends = f" + {sum(self.send_slots.values())} staged send buffers" if staged else ""
         return (
-            f"p2p plan: {len(self.receives)} receives/step on {len(self.slots)} channels, "
-            f"{self.receive_buffers} receive buffers (lookahead {self.lookahead}), "
-            f"at most {n_send} staged sends in flight, {mib:.1f} MiB"
+            f"p2p plan: {len(self.receives)} receives/step on {len(self.slots)} channels in "
+            f"{self.receive_buffers} persistent buffers (lookahead {self.lookahead}){sends}, "
+            f"{size}"
         )
 
 

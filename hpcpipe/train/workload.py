@@ -168,7 +168,7 @@ class Trainer:
         if self.schedule.num_ranks > 1:
             ctx.log(
                 f"pipeline rank {self.coords['pp']}: "
-                + self.runner.messages.describe(self.runner.mailbox.nbytes)
+                + self.runner.messages.describe(self.runner.mailbox.nbytes, ctx.backend.staged)
             )
 
     def restore(self) -> int:

@@ -81,7 +81,10 @@ def test_sends_of_a_rank_name_receiving_stage_and_peer():
     ]
     assert [(d.stage, d.direction, d.peer) for d in one.sends] == [(0, 1, 0)] * 3
     assert zero.slots == {channel_tag(0, 1): 1} and zero.send_slots == {channel_tag(1, 0): 1}
-    assert "3 receives/step on 1 channels, 1 receive buffers" in zero.describe(1024)
+    assert zero.describe(1024) == (
+        "p2p plan: 3 receives/step on 1 channels in 1 persistent buffers (lookahead 1), 1 KiB"
+    )
+    assert "+ 1 staged send buffers, 2 KiB" in zero.describe(1024, staged=True)
 
 
 def test_a_channel_received_out_of_send_order_is_named_and_cannot_pass_the_validator():
