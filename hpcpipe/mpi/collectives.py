@@ -139,9 +139,22 @@ class BucketedAllreduce:
         self.progress()
 
     def progress(self) -> None:
-        """Start the queued device buckets whose data is ready, in order (every rank starts
-        its collectives in the same order); never blocks."""
-        self._start_queued(block=False)
+        """Let started reductions advance while the backward goes on (MPI moves a nonblocking
+        collective only inside MPI calls), and start the queued device buckets whose data is
+        ready, in order (every rank starts its collectives in the same order); never blocks."""
+        active = self._active
+        while active and active[0].Test():  # one by one: MPICH 5's Testall fails on
+            active.pop(0)  # persistent collectives (MPI_ERR_IN_STATUS); done ones go inactive
+        if self._queued:
+            self._start_queued(block=False)
+        for request, _, _, _ in self._pending:
+            if not request.Test():
+                break
+
+    @property
+    def busy(self) -> bool:
+        """Reductions started or queued and not known to be complete."""
+        return bool(self._active or self._queued or self._pending)
 
     def _start_queued(self, block: bool) -> None:
         while self._queued:

@@ -139,7 +139,7 @@ class PipelineRank:
         post_at, next_recv, n_recv = self._post_at, 0, len(self._post_at)
         post, releases = self.mailbox.post_recv, self._releases
         self._n_sent = self._n_received = 0  # the step's sends and receives so far (plan order)
-        reducers = [r for r in (self.reducer, self.expert_reducer) if r.backend.on_gpu]
+        reducer, expert_reducer = self.reducer, self.expert_reducer
         rec, now = self.rec, self.rec.now
         t_step = now()
         self._step_no = step + 1  # reports number steps from 1, like the log
@@ -150,8 +150,10 @@ class PipelineRank:
                 post(next_recv)
                 next_recv += 1
             self.mailbox.progress()
-            for reducer in reducers:
+            if reducer.busy:  # the stage reductions started so far advance between actions
                 reducer.progress()
+            if expert_reducer.busy:
+                expert_reducer.progress()
             t0 = now()
             try:
                 self._run_action(action, step)

@@ -4,14 +4,16 @@
 
 Each rank reduces integer-valued float32 gradients (every order of summation is exact) over
 three steps with new data each step, on two buffers (as two stages would), with persistent
-collectives where the MPI library has them and with the nonblocking fallback; rank 0 prints one
-JSON line with the checks.
+collectives where the MPI library has them and with the nonblocking fallback; in the second
+step the reductions must complete through `progress` alone (as the interpreter calls it between
+actions). Rank 0 prints one JSON line with the checks.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +35,16 @@ def run(comm: MPI.Comm, persistent: bool | None) -> dict:
     reducer = BucketedAllreduce(comm, backend, bucket_bytes=4096, persistent=persistent)
     shapes = {"a": {"w": (2497,), "b": (3,)}, "b": {"w": (1500,)}}  # 3 and 2 buckets of 4 KiB
     buffers = {k: FlatBuffer.like(np, s, np.float32) for k, s in shapes.items()}
-    exact, seen = True, []
+    exact, seen, progressed = True, [], True
     for step in range(3):
         for k, buf in buffers.items():
             buf.flat[...] = contribution(comm.rank, step + 10 * ord(k), buf.flat.size)
             reducer.start(buf, key=k)
+        if step == 1:  # completed by progress alone, as between a rank's actions
+            deadline = time.monotonic() + 30
+            while reducer.busy and time.monotonic() < deadline:
+                reducer.progress()
+            progressed &= not reducer.busy
         reducer.wait()
         for k, buf in buffers.items():
             want = sum(contribution(r, step + 10 * ord(k), buf.flat.size) for r in range(comm.size))
@@ -48,6 +55,7 @@ def run(comm: MPI.Comm, persistent: bool | None) -> dict:
         "exact": comm.allreduce(int(exact), op=MPI.MIN) == 1,
         "requests": len(seen[-1]),
         "reused": all(s == seen[0] for s in seen),
+        "progressed": comm.allreduce(int(progressed), op=MPI.MIN) == 1,
     }
     reducer.free()
     return record

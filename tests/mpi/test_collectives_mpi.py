@@ -31,13 +31,25 @@ def test_bucketed_allreduce_persistent_and_fallback_are_exact(ranks):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = json.loads(proc.stdout.strip().splitlines()[-1])
     fallback = records["fallback"]
-    assert fallback == {"path": "nonblocking", "exact": True, "requests": 0, "reused": True}
+    assert fallback == {
+        "path": "nonblocking",
+        "exact": True,
+        "requests": 0,
+        "reused": True,
+        "progressed": True,
+    }
     auto = records["auto"]
     assert auto["exact"] is True
     from mpi4py import MPI
 
     if hasattr(MPI.Intracomm, "Allreduce_init") and MPI.Get_version() >= (4, 0):
         # 3 + 2 buckets, created in the first step and the same objects in every later one
-        assert auto == {"path": "persistent", "exact": True, "requests": 5, "reused": True}
+        assert auto == {
+            "path": "persistent",
+            "exact": True,
+            "requests": 5,
+            "reused": True,
+            "progressed": True,
+        }
     else:
-        assert auto["path"] == "nonblocking" and auto["requests"] == 0
+        assert auto["path"] == "nonblocking" and auto["requests"] == 0 and auto["progressed"]
