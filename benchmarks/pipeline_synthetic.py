@@ -3,10 +3,8 @@
     python benchmarks/pipeline_synthetic.py            # 8 ranks, m = 16, 20 ms per cost unit
 
 Sleeping stages use no CPU, so 8 (or 16) ranks run on 2 cores; waits poll instead of spinning
-when ranks outnumber cores. Runs twice: with the lowered schedules as the runtime runs them
-(pipeline_synthetic.json, .png), and with each receive waited for just before the action that
-uses it (pipeline_synthetic_waits.json), which separates what the lowering's message order
-costs from what the runtime adds.
+when ranks outnumber cores. The lowered schedules run as the runtime runs them
+(pipeline_synthetic.json, .png).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ def main() -> None:
             ("plan_in_order_ms", "plan in the lowered message order"),
         ],
     )
-    bench(f"{FIGURE}_waits", args.ranks, "pipeline", [*base, "--waits-at-consumers", *rest])
 
 
 if __name__ == "__main__":

@@ -122,7 +122,6 @@ SUMMARY = (
     "moe_alltoall",
     "pipeline_step",
     "pipeline_synthetic",
-    "pipeline_synthetic_waits",
     "plan_scale",
     "trace_overhead",
 )

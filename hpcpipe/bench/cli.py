@@ -134,12 +134,6 @@ def _pipeline(p: argparse.ArgumentParser) -> None:
         help="--synthetic: bytes of each activation message (default 4Ki)",
     )
     p.add_argument(
-        "--waits-at-consumers",
-        action="store_true",
-        help="--synthetic: wait for each message just before the action that uses it, "
-        "instead of where the lowering put its RECV",
-    )
-    p.add_argument(
         "--poll-us",
         type=float,
         default=20.0,

@@ -1,9 +1,9 @@
 """What the plan predicts for a measured step (pure: NumPy and the simulator, no MPI).
 
-`measured_costs` turns the per-(kind, stage) action times one step measured into the
-simulator's `CostModel`; `step_figures` compares one measured step with the simulation under
-those costs, and with `replay_in_order`, the same costs executed in the lowered schedule's
-message order (which the simulator does not model); `activation_peaks` is the
+`step_figures` compares one measured step with the simulation under the costs it measured
+(`hpcpipe.schedules.replay.measured_costs`), and with `replay_in_order`, the same costs executed
+in the lowered schedule's own order, SENDs and RECVs included (equal to the simulation since
+the lowering waits for each message at its consumer); `activation_peaks` is the
 simulator's memory model in bytes with each stage's own B release (the simulator's `b_frees`
 is one share for all stages, while the stages of a real model free different amounts at B).
 """
@@ -11,148 +11,16 @@ is one share for all stages, while the stages of a real model free different amo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
 from hpcpipe.schedules import CostModel, Kind, Schedule, simulate
+from hpcpipe.schedules.replay import COMPUTE, measured_costs, replay_in_order
 
-__all__ = [
-    "COMPUTE",
-    "action_counts",
-    "activation_peaks",
-    "measured_costs",
-    "replay_in_order",
-    "step_figures",
-    "waits_at_consumers",
-]
+__all__ = ["COMPUTE", "activation_peaks", "step_figures"]
 
-COMPUTE = ("F", "B", "W", "BW")
 RECV = ("RECV_F", "RECV_B")
 SEND = ("SEND_F", "SEND_B")
-
-
-def action_counts(schedule: Schedule) -> dict[tuple[str, int], int]:
-    """How many actions of each (kind name, stage) one step runs, over all ranks."""
-    counts: dict[tuple[str, int], int] = {}
-    for kind, stage in zip(schedule.kinds.tolist(), schedule.stages.tolist(), strict=True):
-        key = (Kind(kind).name, stage)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def measured_costs(
-    schedule: Schedule, action_times: Mapping[tuple[str, int], float], **extra: Any
-) -> CostModel:
-    """Per-stage mean F/B/W/BW time per action from one step's totals per (kind, stage).
-
-    Means are over the actions the schedule runs, not over microbatches: DualPipe-V fuses B
-    and W for most microbatches of a stage but splits them for a few. A stage that only runs
-    BW gives B and W half of it each; one that never fuses gets BW = B + W.
-    """
-    n = schedule.num_stages
-    counts = action_counts(schedule)
-
-    def per_stage(kind: str) -> np.ndarray:
-        return np.array(
-            [action_times.get((kind, s), np.nan) / counts.get((kind, s), np.nan) for s in range(n)]
-        )
-
-    t_f, t_b, t_w, t_bw = (per_stage(k) for k in COMPUTE)
-    split = ~np.isnan(t_b)
-    t_bw = np.where(np.isnan(t_bw), np.nan_to_num(t_b) + np.nan_to_num(t_w), t_bw)
-    t_b = np.where(split, t_b, t_bw / 2)
-    t_w = np.where(split, np.nan_to_num(t_w), t_bw / 2)
-    return CostModel(t_f=np.nan_to_num(t_f), t_b=t_b, t_w=t_w, t_bw=t_bw, **extra)
-
-
-def replay_in_order(lowered: Schedule, costs: CostModel) -> float:
-    """Makespan when every rank also keeps the lowered schedule's message order.
-
-    The simulator lets a result leave the moment its action ends; the runtime sends it when it
-    reaches the SEND action, which the lowering may have put behind a RECV that waits for
-    another rank. Here SENDs take no time and a RECV waits until its SEND has run, so the
-    difference from the simulator's makespan is what the message order costs, and the
-    difference from a measured step is what the runtime itself adds.
-    """
-    arrays = costs.stage_arrays(lowered.num_stages)
-    dur = {
-        Kind.F: arrays["t_f"],
-        Kind.B: arrays["t_b"],
-        Kind.W: arrays["t_w"],
-        Kind.BW: arrays["t_bw"],
-    }
-    acts = [lowered.rank_actions(r) for r in range(lowered.num_ranks)]
-    pos = [0] * len(acts)
-    now = [0.0] * len(acts)
-    sent: dict[tuple[int, int, int], float] = {}  # (RECV kind, receiving stage, mb) -> time
-    moved = True
-    while moved:
-        moved = False
-        for r, mine in enumerate(acts):
-            while pos[r] < len(mine):
-                stage, kind, mb = mine[pos[r]]
-                if kind in dur:
-                    now[r] += float(dur[kind][stage])
-                elif kind == Kind.SEND_F:
-                    sent[(Kind.RECV_F, stage + 1, mb)] = now[r]
-                elif kind == Kind.SEND_B:
-                    sent[(Kind.RECV_B, stage - 1, mb)] = now[r]
-                elif (kind, stage, mb) in sent:
-                    now[r] = max(now[r], sent[(kind, stage, mb)])
-                else:
-                    break  # waits for a SEND another rank has not reached yet
-                pos[r] += 1
-                moved = True
-    if any(p < len(a) for p, a in zip(pos, acts, strict=True)):
-        raise ValueError(f"{lowered.name}: the lowered message order deadlocks")
-    return max(now, default=0.0)
-
-
-def waits_at_consumers(lowered: Schedule) -> Schedule:
-    """The lowered schedule with each RECV moved to just before the action that uses it.
-
-    The lowering places receives by a unit-time run (every action, a fused BW too, one unit),
-    which can leave a rank blocked on a message while work it could do waits behind it. With
-    sends that never block and receives posted ahead, as the runtime's Mailbox does them,
-    waiting where the data is needed cannot deadlock, and `replay_in_order` of the result is
-    the simulator's makespan.
-    """
-    consumer = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.BW: Kind.RECV_B}
-    kinds: list[int] = []
-    stages: list[int] = []
-    mbs: list[int] = []
-    offsets = [0]
-    for r in range(lowered.num_ranks):
-        actions = lowered.rank_actions(r)
-        pending = {
-            (a.kind, a.stage, a.microbatch) for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B)
-        }
-        for a in actions:
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                continue
-            key = (consumer.get(a.kind), a.stage, a.microbatch)
-            if key in pending:
-                pending.remove(key)
-                kinds.append(int(key[0]))  # type: ignore[arg-type]
-                stages.append(a.stage)
-                mbs.append(a.microbatch)
-            kinds.append(int(a.kind))
-            stages.append(a.stage)
-            mbs.append(a.microbatch)
-        if pending:
-            raise ValueError(f"{lowered.name}: rank {r} receives {sorted(pending)} nothing uses")
-        offsets.append(len(kinds))
-    return Schedule(
-        lowered.name,
-        lowered.stages_of_rank,
-        lowered.num_microbatches,
-        np.array(offsets),
-        np.array(kinds),
-        np.array(stages),
-        np.array(mbs),
-        lowered.params,
-    )
 
 
 def _sum(times: Mapping[tuple[str, int], float], kinds: Sequence[str]) -> float:

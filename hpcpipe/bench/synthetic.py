@@ -13,10 +13,6 @@ For the same reason, with more ranks on a node than cores (`--wait auto`, or `--
 rank waiting for a message polls `Test` and sleeps `--poll-us` between polls instead of spinning
 in MPI's `Wait`: the mailbox is the runtime's own with only that blocking call replaced. With
 `--wait mpi` it is the unchanged `Wait`, which is right when every rank has a core.
-
-`--waits-at-consumers` runs each schedule with its receives moved to just before the action
-that uses them (`hpcpipe.bench.model.waits_at_consumers`), to measure what the lowering's
-message order costs against an order the runtime could equally run.
 """
 
 from __future__ import annotations
@@ -31,13 +27,14 @@ from mpi4py import MPI
 
 from hpcpipe.backend import make_backend
 from hpcpipe.bench.harness import median
-from hpcpipe.bench.model import action_counts, step_figures, waits_at_consumers
+from hpcpipe.bench.model import step_figures
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.bench.training import StepClock, bench_config, fine_timer_slack, schedule_names
 from hpcpipe.config import ConfigError
 from hpcpipe.mpi.p2p import Mailbox
 from hpcpipe.schedules import CostModel, Schedule, ScheduleError, validate
 from hpcpipe.schedules.config import cost_model
+from hpcpipe.schedules.replay import action_counts
 from hpcpipe.schedules.report import load_schedule
 from hpcpipe.train.pipeline import PipelineRank
 
@@ -193,8 +190,7 @@ def run_synthetic(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             f"for the deck's [pipeline] costs x {args.unit_ms:g} ms ({args.deck}"
             + (f" with {' '.join(args.overrides)}" if args.overrides else "")
             + f"), m={config.pipeline.microbatches}, {args.act_bytes}-byte activations, "
-            + (f"waits poll Test + {args.poll_us:g} us sleeps" if poll else "waits in MPI Wait")
-            + (", receives waited for at their consumer" if args.waits_at_consumers else ""),
+            + (f"waits poll Test + {args.poll_us:g} us sleeps" if poll else "waits in MPI Wait"),
             f"{args.repeats} steps per schedule after a warm-up, each started at one instant on "
             "all ranks; medians over steps; plan = simulator with the modelled costs; in-order "
             "= the plan kept in the lowered schedule's message order (what the runtime runs); "
@@ -213,7 +209,6 @@ def run_synthetic(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             "microbatches": config.pipeline.microbatches,
             "wait": "poll" if poll else "mpi",
             "poll_us": args.poll_us if poll else None,
-            "waits_at_consumers": args.waits_at_consumers,
         },
         stream=comm.rank == 0,
     )
@@ -228,8 +223,6 @@ def run_synthetic(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             report.add({"schedule": name, "skipped": str(exc).splitlines()[0]})
             report.note(f"{name} skipped: {str(exc).splitlines()[0]}")
             continue
-        if args.waits_at_consumers:
-            lowered = waits_at_consumers(lowered)
         plan = _plan(cfg, schedule, unit)
         runner, pp = _runner(comm, lowered, plan, act_elems, args.poll_us * 1e-6 if poll else 0.0)
         m = lowered.num_microbatches

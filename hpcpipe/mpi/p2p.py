@@ -11,13 +11,13 @@ receiver to reach the matching action.
 Sends of host memory go out as `Isend` of the producer's array itself (zero copy; it must not
 change until `drain`). Device memory goes either straight to a CUDA-aware MPI, once an event
 recorded after the producing kernels has completed (an event, not a stream or device
-synchronisation), or through pinned staging buffers with persistent `Send_init`s, at most as many
-per channel as the receiver keeps buffers for it. With `overlap`, a device send whose data is not
-ready yet is posted later (by `progress` between actions, or before this rank blocks), so the host
-goes on queueing compute. A receive into a staged buffer is copied to the device on the copy
-stream without blocking the host; a direct receive into a device buffer waits first for the
-event recorded when the plan freed that buffer (`release`), so MPI never overwrites data a queued
-kernel still reads.
+synchronisation), or through pinned staging buffers with persistent `Send_init`s, reused once
+their send completes (normally no more per channel than the receiver keeps buffers for it).
+With `overlap`, a device send whose data is not ready yet is posted later (by `progress`
+between actions, or before this rank blocks), so the host goes on queueing compute. A receive
+into a staged buffer is copied to the device on the copy stream without blocking the host; a
+direct receive into a device buffer waits first for the event recorded when the plan freed that
+buffer (`release`), so MPI never overwrites data a queued kernel still reads.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class Mailbox:
         dense models, off when MoE all-to-alls run inside F and B."""
         self.sends_deferred = 0  # device sends posted after their action (overlap at work)
         self.host_waits = 0  # times the host waited for a device event or a staging slot
+        self.send_pool_overflows = 0  # staged sends beyond the plan's buffers (see _send_slot)
         # TAG_UB is guaranteed on COMM_WORLD only (Open MPI does not copy it to derived comms)
         tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
         top = max([*plan.slots, *plan.send_slots], default=0)
@@ -299,26 +300,26 @@ class Mailbox:
             isend()
 
     def _send_slot(self, tag: int, peer: int) -> _SendSlot:
-        """A free staging buffer of this channel: reuse one whose send has completed, add one
-        up to the plan's bound, else wait for the oldest (the receiver holds no more)."""
+        """A free staging buffer of this channel: one whose send has completed, else a new one.
+        Never waits for a send (a receiver may need this rank's later messages first); the
+        pool settles at the sends in flight, normally no more than the receiver's buffers for
+        the channel (`plan.send_slots`), and `send_pool_overflows` counts the times it grew
+        beyond that."""
         pool = self._send_slots.setdefault(tag, [])
         for slot in pool:
             if not slot.active:
                 return slot
-        bound = max(1, self.plan.send_slots.get(tag, 1))
-        if len(pool) < bound:
-            name = f"p2p.s{tag}.{len(pool)}"
-            buf = self.backend.staging(self.nbytes, name).view(self.dtype).reshape(self.shape)
-            slot = _SendSlot(self.comm.Send_init(buf, dest=peer, tag=tag), buf, name)
-            pool.append(slot)
-            return slot
-        oldest = next(s for s in self._inflight if s in pool)
-        if self._deferred:
-            self._post_deferred(block=True)
-        oldest.request.Wait()
-        self._inflight.remove(oldest)
-        oldest.active = False
-        return oldest
+        self._reap_slots()
+        for slot in pool:
+            if not slot.active:
+                return slot
+        if len(pool) >= max(1, self.plan.send_slots.get(tag, 1)):
+            self.send_pool_overflows += 1
+        name = f"p2p.s{tag}.{len(pool)}"
+        buf = self.backend.staging(self.nbytes, name).view(self.dtype).reshape(self.shape)
+        slot = _SendSlot(self.comm.Send_init(buf, dest=peer, tag=tag), buf, name)
+        pool.append(slot)
+        return slot
 
     def _defer(self, event: Any, post: Callable[[], None]) -> None:
         self._deferred.append((event, post))

@@ -4,13 +4,12 @@ The runtime executes lowered schedules, so the order of messages is decided here
 proved by the validator, instead of being guessed at run time. Stages on the same rank (the V
 turnaround) hand over in memory and get no message.
 
-Placement rule. The compute actions are timed with every action taking one unit and messages
-taking none (a list schedule in each rank's order). A message produced at time t is then
-placed on the sender right after the producing action and on the receiver after every action
-that started before t; messages of the same instant go in the order of their producers. Every
-rank then meets its messages in one global order (time, producer), which is what makes the
-result deadlock-free even under blocking (rendezvous) send and receive: when the next message
-in that order is due, both ends have finished everything placed before it.
+Placement rule. A SEND goes right after the action that produces the message, a RECV right
+before the action that uses it: the runtime posts every receive ahead of time and never waits
+for a send to complete, so a rank blocks only where it needs the data, and the lowered order
+runs in exactly the time the simulator predicts (which lets a result be used as soon as it
+exists). SENDs of one action go in the order of their producers. The validator proves the
+order deadlock-free under those semantics (`validate`).
 """
 
 from __future__ import annotations
@@ -47,15 +46,20 @@ def lower_table(table: ComputeTable) -> Schedule:
 
 def lower_with_times(table: ComputeTable) -> tuple[Schedule, np.ndarray]:
     """`lower_table`, also returning each compute action's end in the unit-time run that
-    placed the messages (the validator's proof of deadlock freedom reuses it)."""
+    ordered the actions (the validator's proof of deadlock freedom reuses it).
+
+    The run executes one action per rank and round; an action whose input comes from another
+    rank is preceded by its RECV, one whose result goes to another rank followed by its SEND.
+    """
     sched = table.schedule
     n, p = table.n, sched.num_ranks
     out_rank = _outgoing(table)
     sends = out_rank >= 0
+    recvs = table.cross
     per_rank = (
         np.diff(table.offsets)
         + np.bincount(table.rank[sends], minlength=p)
-        + np.bincount(out_rank[sends], minlength=p)
+        + np.bincount(table.rank[recvs], minlength=p)
     )
     offsets = np.zeros(p + 1, dtype=np.int64)
     np.cumsum(per_rank, out=offsets[1:])
@@ -65,8 +69,7 @@ def lower_with_times(table: ComputeTable) -> tuple[Schedule, np.ndarray]:
     mbs = np.empty(total, dtype=np.int32)
     forward = table.kind == Kind.F
     send_kind = np.where(forward, Kind.SEND_F, Kind.SEND_B).astype(np.int8)
-    recv_kind = send_kind + np.int8(1)  # RECV_F = SEND_F + 1, RECV_B = SEND_B + 1
-    recv_stage = table.stage + np.where(forward, 1, -1).astype(table.stage.dtype)
+    recv_kind = np.where(forward, Kind.RECV_F, Kind.RECV_B).astype(np.int8)  # of the consumer
     del forward
 
     never = np.iinfo(np.int64).max
@@ -91,36 +94,23 @@ def lower_with_times(table: ComputeTable) -> tuple[Schedule, np.ndarray]:
         done[a] = now
         ptr[act_ok] += 1
         slot = cursor[act_ok]
-        cursor[act_ok] += 1
+        r = recvs[a]
+        if r.any():  # the RECV right before the action that uses the message
+            at, got = slot[r], a[r]
+            kinds[at] = recv_kind[got]
+            stages[at] = table.stage[got]
+            mbs[at] = table.mb[got]
+            slot = slot + r
         kinds[slot] = table.kind[a]
         stages[slot] = table.stage[a]
         mbs[slot] = table.mb[a]
-        prod = a[sends[a]]
-        if prod.size:
-            # send on the producer's rank, receive on the consumer's, both after this round's
-            # compute; a rank's messages of one round go in producer order
-            k = prod.size
-            holder = np.empty(2 * k, dtype=np.int64)
-            holder[0::2] = table.rank[prod]
-            holder[1::2] = out_rank[prod]
-            order = np.argsort(holder, kind="stable")
-            sorted_h = holder[order]
-            first = np.empty(2 * k, dtype=bool)
-            first[0] = True
-            np.not_equal(sorted_h[1:], sorted_h[:-1], out=first[1:])
-            index = np.arange(2 * k)
-            group_start = np.maximum.accumulate(np.where(first, index, 0))
-            where = np.empty_like(order)
-            where[order] = cursor[sorted_h] + (index - group_start)
-            np.add.at(cursor, sorted_h, 1)
-            at_send, at_recv = where[0::2], where[1::2]
-            kinds[at_send] = send_kind[prod]
-            kinds[at_recv] = recv_kind[prod]
-            stages[at_send] = table.stage[prod]
-            stages[at_recv] = recv_stage[prod]
-            mb = table.mb[prod]
-            mbs[at_send] = mb
-            mbs[at_recv] = mb
+        s_ = sends[a]
+        if s_.any():  # the SEND right after the action that produces the message
+            at, prod = slot[s_] + 1, a[s_]
+            kinds[at] = send_kind[prod]
+            stages[at] = table.stage[prod]
+            mbs[at] = table.mb[prod]
+        cursor[act_ok] = slot + 1 + s_
         act = act[ptr[act] < stop[act]]
     for arr in (kinds, stages, mbs):
         arr.flags.writeable = False

@@ -4,9 +4,8 @@ is posted, and which receive buffer it lands in. Pure data, like the schedule it
 Tags are per channel, not per message: every activation stage s-1 sends to stage s travels on
 tag 2s, every gradient stage s+1 sends back on tag 2s+1. MPI matches messages of one sender and
 tag in the order they were sent, so this is correct exactly when, on every channel, the sender's
-SEND order equals the receiver's RECV order. The validator's deadlock proof implies it (two
-messages of one channel received out of order deadlock under blocking semantics), and
-`channel_order_error` checks it directly.
+SEND order equals the receiver's RECV order: the validator proves it for every schedule the
+runtime runs, and `channel_order_error` says where it fails in words.
 The payoff is that tags no longer grow with microbatches and that a receive buffer with its
 persistent request can serve a new microbatch each time, instead of one buffer per message.
 

@@ -13,18 +13,13 @@ import pytest
 from conftest import ROOT
 
 from hpcpipe.bench import BENCHMARKS, Column, Report, benchmark
-from hpcpipe.bench.model import (
-    action_counts,
-    activation_peaks,
-    measured_costs,
-    replay_in_order,
-    step_figures,
-    waits_at_consumers,
-)
+from hpcpipe.bench.model import activation_peaks, step_figures
 from hpcpipe.bench.sizes import met_from, parse_bytes, size_range
 from hpcpipe.bench.table import read_report
 from hpcpipe.config import ConfigError
 from hpcpipe.schedules import SCHEDULE_NAMES, CostModel, Kind, build_schedule, simulate, validate
+from hpcpipe.schedules.ir import from_csv
+from hpcpipe.schedules.replay import action_counts, measured_costs, replay_in_order
 
 NAMES = ("p2p", "allreduce", "alltoall", "pipeline", "sweep", "ckpt", "memory")
 
@@ -196,29 +191,30 @@ def test_measured_costs_average_over_the_actions_a_schedule_runs():
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
-def test_waiting_at_consumers_runs_the_plan_in_the_simulators_time(name):
+def test_the_lowered_order_runs_in_the_simulators_time(name):
+    # every receive sits just before its consumer, so keeping the lowered order costs nothing
     schedule = build_schedule(name, 4, 8)
     lowered = validate(schedule)
-    costs = CostModel(t_f=1.0, t_b=1.3, t_w=0.7)
-    planned = simulate(schedule, costs).makespan
-    assert replay_in_order(lowered, costs) >= planned - 1e-9
-    moved = waits_at_consumers(lowered)
-    assert replay_in_order(moved, costs) == pytest.approx(planned)
-    for r in range(lowered.num_ranks):  # the same actions, every receive before its consumer
-        before, after = lowered.rank_actions(r), moved.rank_actions(r)
-        assert sorted(before) == sorted(after)
-        for i, a in enumerate(after):
+    for costs in (CostModel(t_f=1.0, t_b=1.3, t_w=0.7), CostModel()):
+        assert replay_in_order(lowered, costs) == pytest.approx(simulate(schedule, costs).makespan)
+    for r in range(lowered.num_ranks):
+        actions = lowered.rank_actions(r)
+        for i, a in enumerate(actions):
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                use = after[i + 1]
+                use = actions[i + 1]
                 assert (use.stage, use.microbatch) == (a.stage, a.microbatch)
 
 
-def test_the_lowered_message_order_can_cost_time():
-    # interleaved 1F1B: the lowering places receives by a unit-time run (a fused BW counted
-    # as one unit), so a rank can wait for a message while work it could do waits behind it
-    schedule = build_schedule("interleaved-1f1b", 2, 8)
-    costs = CostModel()
-    assert replay_in_order(validate(schedule), costs) > 1.1 * simulate(schedule, costs).makespan
+def test_a_hand_written_order_can_cost_time():
+    # rank 1 receives microbatch 2's activation before running BW0: valid, but it then
+    # waits for F2 where it could already run BW0
+    order = from_csv(
+        "0F0,0SEND_F0,0F1,0SEND_F1,0F2,0SEND_F2,0RECV_B0,0BW0,0RECV_B1,0BW1,0RECV_B2,0BW2\n"
+        "1RECV_F0,1F0,1RECV_F1,1RECV_F2,1BW0,1SEND_B0,1F1,1BW1,1SEND_B1,1F2,1BW2,1SEND_B2\n"
+    )
+    lowered = validate(order)
+    costs = CostModel(t_f=1.0, t_b=1.0, t_w=1.0)
+    assert replay_in_order(lowered, costs) > simulate(order, costs).makespan
 
 
 def test_targets_are_a_column_and_results_carry_their_commit(tmp_path):

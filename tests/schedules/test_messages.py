@@ -1,6 +1,6 @@
 """The message plan: per-channel tags are safe (each channel received in the order it is sent)
 for every schedule, receive buffers are recycled by the plan's live count and never handed to
-a new message while the last one may still be read, and the validator rejects a schedule whose
+a new message while the last one may still be read, and the validator refuses a schedule whose
 channel order differs."""
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def test_sends_of_a_rank_name_receiving_stage_and_peer():
     assert "+ 1 staged send buffers, 2 KiB" in zero.describe(1024, staged=True)
 
 
-def test_a_channel_received_out_of_send_order_is_named_and_cannot_pass_the_validator():
-    # rank 1 takes microbatch 1's activation before microbatch 0's: under blocking semantics
-    # that deadlocks, so the validator's proof covers per-channel tags
+def test_a_channel_received_out_of_send_order_is_named_and_refused_by_the_validator():
+    # rank 1 takes microbatch 1's activation before microbatch 0's: with one tag per channel
+    # MPI would hand it microbatch 0's
     bad = from_csv(
         "# hpcpipe schedule name=swapped microbatches=2 placement=0;1\n"
         "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0W0,0RECV_B1,0B1,0W1\n"
@@ -98,5 +98,5 @@ def test_a_channel_received_out_of_send_order_is_named_and_cannot_pass_the_valid
     why = channel_order_error(bad)
     assert why is not None and "activations into stage 1" in why
     assert "sent in the order [0, 1] but received in the order [1, 0]" in why
-    with pytest.raises(ScheduleError, match="deadlock"):
+    with pytest.raises(ScheduleError, match="1RECV_F1 is received before 1RECV_F0, but their"):
         validate(bad)

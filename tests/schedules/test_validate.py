@@ -107,22 +107,26 @@ def test_cross_rank_dependency_cycle_is_rejected():
     assert "rank 1 step 1 1F1 waits for 0F1 (rank 0 step 2)" in str(err)
 
 
-def test_cross_rank_deadlock_under_blocking_p2p_is_rejected():
-    # The classic 1F1B exchange: in the steady state both ranks send before they receive.
-    # Buffered sends would get through; blocking (rendezvous) sends deadlock.
+def test_deadlock_under_the_runtimes_semantics_is_rejected():
+    # Sends never block (the runtime hands them to MPI and completes them at the end of the
+    # step), so the classic 1F1B exchange with both ranks sending first is fine...
     exchange = """
     0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0BW0,0RECV_B1,0BW1
     1RECV_F0,1F0,1BW0,1SEND_B0,1RECV_F1,1F1,1BW1,1SEND_B1
     """
-    with pytest.raises(ScheduleError, match="deadlock under blocking send/receive") as info:
-        validate(from_csv(exchange))
+    assert validate(from_csv(exchange)).name == "csv"
+    # ... but a receive waits for its send: rank 0 wanting the gradient before it sends the
+    # activation it is computed from cannot finish
+    stuck = """
+    0F0,0RECV_B0,0SEND_F0,0BW0
+    1RECV_F0,1F0,1BW0,1SEND_B0
+    """
+    with pytest.raises(ScheduleError, match="deadlock \\(sends never block") as info:
+        validate(from_csv(stuck))
     text = str(info.value)
-    assert "rank 0 blocks at step 3 in 0SEND_F1 until rank 1 reaches 1RECV_F1" in text
-    assert "rank 1 blocks at step 3 in 1SEND_B0 until rank 0 reaches 0RECV_B0" in text
-    assert "[0SEND_F1]" in text and "[1SEND_B0]" in text
-    # receiving F1 before sending B0 on rank 1 breaks the cycle
-    crossed = from_csv(exchange.replace("1SEND_B0,1RECV_F1", "1RECV_F1,1SEND_B0"))
-    assert validate(crossed) is crossed
+    assert "rank 0 waits at step 1 in 0RECV_B0 for 1SEND_B0, which rank 1 has not reached" in text
+    assert "rank 1 waits at step 0 in 1RECV_F0 for 0SEND_F0" in text
+    assert "[0RECV_B0]" in text and "[1RECV_F0]" in text
 
 
 def test_messages_out_of_place_are_rejected():
@@ -185,17 +189,17 @@ def test_simulate_refuses_a_cyclic_schedule():
         simulate(Schedule.from_actions(rows))
 
 
-def test_blocking_check_falls_back_to_simulation_for_other_orders(monkeypatch):
+def test_deadlock_check_falls_back_to_simulation_for_other_orders(monkeypatch):
     import sys
 
     validation = sys.modules["hpcpipe.schedules.validate"]
     calls = []
-    original = validation._blocking_run
-    monkeypatch.setattr(validation, "_blocking_run", lambda *a: calls.append(a) or original(*a))
-    # rank 0 receives B0 before sending F1: valid, but not in the lowering's message order,
-    # so the quick certificate does not apply and the blocking execution is simulated
+    original = validation._nonblocking_run
+    monkeypatch.setattr(validation, "_nonblocking_run", lambda *a: calls.append(a) or original(*a))
+    # rank 0 waits for B0 before it computes F1: valid, but not in the time order of the
+    # quick certificate, so the execution is simulated
     text = """
-    0F0,0SEND_F0,0F1,0RECV_B0,0SEND_F1,0BW0,0RECV_B1,0BW1
+    0F0,0SEND_F0,0RECV_B0,0F1,0SEND_F1,0BW0,0RECV_B1,0BW1
     1RECV_F0,1F0,1BW0,1SEND_B0,1RECV_F1,1F1,1BW1,1SEND_B1
     """
     sched = from_csv(text)
@@ -203,4 +207,5 @@ def test_blocking_check_falls_back_to_simulation_for_other_orders(monkeypatch):
     assert len(calls) == 1
     validate(lower(build_schedule("zb-v", 3, 6)))  # generated: the certificate, no simulation
     validate(build_schedule("interleaved-1f1b", 3, 6))
+    validate(build_schedule("dualpipe-v", 4, 8))
     assert len(calls) == 1
