@@ -10,6 +10,7 @@ be too slow and too big. `Schedule.actions` gives the per-rank tuples of `Action
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import re
 from collections.abc import Iterable, Sequence
@@ -320,6 +321,15 @@ class Schedule:
 
     def __hash__(self) -> int:
         return hash(self._key())
+
+    def fingerprint(self) -> str:
+        """A short digest of the actions and placement (not the name): ranks of one job
+        compare theirs once at start, so a rank that read another deck or schedule file fails
+        before it sends a message the others do not expect."""
+        digest = hashlib.sha256(repr((self.stages_of_rank, self.num_microbatches)).encode())
+        for arr in (self.offsets, self.kinds, self.stages, self.microbatches):
+            digest.update(np.ascontiguousarray(arr).tobytes())
+        return digest.hexdigest()[:16]
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.params)

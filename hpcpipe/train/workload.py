@@ -24,6 +24,7 @@ from hpcpipe.model.models import boundary_shape, build_model, partition
 from hpcpipe.model.stage import Stage
 from hpcpipe.mpi.collectives import allreduce
 from hpcpipe.runtime import RunContext
+from hpcpipe.schedules.ir import Schedule
 from hpcpipe.train.checkpointing import restore, save
 from hpcpipe.train.data import build_dataset
 from hpcpipe.train.optim import apply_update, clip_scale, init_state, learning_rate
@@ -118,6 +119,7 @@ class Trainer:
         xp, dtype = ctx.xp, ctx.backend.dtype
         self.coords = ctx.rankmap.coords(ctx.rank)
         self.schedule, self.lowered = _schedule(ctx)
+        _check_same_schedule(ctx, self.lowered)
         self.m = m = self.schedule.num_microbatches
         self.rows_mb = _check_batch(ctx, m)
         self.group = _expert_group(ctx)
@@ -152,6 +154,7 @@ class Trainer:
         )
         self.needs_data = any(stages[s].is_first or stages[s].is_last for s in self.mine)
         self.history: dict[str, list[float]] = {}
+        self._pending: list[tuple] = []  # steps whose figures are not reduced yet
         # the timing report's medians use the last TIMED_STEPS steps: a long run stays flat
         self.action_log: deque[dict[tuple[str, int], float]] = deque(maxlen=TIMED_STEPS)
         self.pipe_times: deque[float] = deque(maxlen=TIMED_STEPS)
@@ -178,6 +181,7 @@ class Trainer:
         return start
 
     def checkpoint(self, done: int) -> Path:
+        self.flush_figures()  # the checkpoint keeps the history up to this step
         t0 = self.rec.now()
         with self.ctx.watchdog.phase(
             f"the checkpoint after step {done}",
@@ -246,15 +250,70 @@ class Trainer:
                 EventKind.STEP, -1, -1, t_step, rec.now(), result.peak_live_bytes, value=loss
             )
         dt = time.perf_counter() - t0
-        self._log_step(step, result, loss, sq_norm, lr, dt)
+        self._queue_figures(step, result, loss, sq_norm, lr, dt)
+        if step % cfg.run.log_every == 0 or step == steps - 1:
+            self.flush_figures()
         return stopping
 
-    def _log_step(
+    def _queue_figures(
         self, step: int, result: StepResult, loss: float, sq_norm: float, lr: float, dt: float
+    ) -> None:
+        """Keep this step's local figures; `flush_figures` reduces many steps at once, so a
+        step makes one world-wide reduction (loss, norms, stop flag), not four to seven."""
+        moe_local: dict[str, float] = {}
+        if self.cfg.moe.enabled:
+            from hpcpipe.moe import summarize_stats
+
+            if self.rec.enabled and self.runner.moe_stats:
+                # tokens this rank routed to each expert this step (zero-length events)
+                t = self.rec.now()
+                kept = np.sum([st.kept for st in self.runner.moe_stats], axis=0)
+                for expert, tokens in enumerate(kept.tolist()):
+                    self.rec.record(EventKind.EXPERT, expert, -1, t, t, value=float(tokens))
+            moe_local = summarize_stats(self.runner.moe_stats)
+        n = 1.0 if moe_local else 0.0
+        sums = [result.compute_time, n] + [
+            n * moe_local.get(k, 0.0)
+            for k in ("tokens_per_expert_mean", "dropped_fraction", "aux_loss")
+        ]
+        maxes = [
+            float(result.peak_live_bytes),
+            float(result.peak_live_units),
+            moe_local.get("tokens_per_expert_max", -np.inf),
+            -moe_local.get("tokens_per_expert_min", np.inf),
+        ]
+        self._pending.append((step, sums, maxes, loss, sq_norm, lr, dt))
+
+    def flush_figures(self) -> None:
+        """Collective: reduce the queued steps' figures (two reductions for all of them), add
+        them to rank 0's history and log the steps due. Called every `run.log_every` steps,
+        before a checkpoint and at the end, on every rank alike."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        world = self.ctx.comms.world
+        sums = allreduce(world, np.array([p[1] for p in pending], dtype=np.float64))
+        maxes = allreduce(world, np.array([p[2] for p in pending], dtype=np.float64), "max")
+        for (step, _, _, loss, sq_norm, lr, dt), total, peak in zip(
+            pending, sums, maxes, strict=True
+        ):
+            self._log_step(step, total, peak, loss, sq_norm, lr, dt)
+
+    def _log_step(
+        self,
+        step: int,
+        total: np.ndarray,
+        peak: np.ndarray,
+        loss: float,
+        sq_norm: float,
+        lr: float,
+        dt: float,
     ) -> None:
         ctx, cfg = self.ctx, self.cfg
         tokens = cfg.data.global_batch * cfg.model.seq_len
-        bubble, peak_bytes, peak_units = _step_figures(ctx, result, dt)
+        # measured bubble: 1 - mean compute / step time over ranks; peak memory over ranks
+        bubble = max(0.0, 1.0 - total[0] / ctx.size / dt)
+        peak_bytes, peak_units = int(peak[0]), float(peak[1])
         figures = {
             "loss": loss,
             "grad_norm": math.sqrt(sq_norm),
@@ -267,13 +326,14 @@ class Trainer:
         }
         moe_text = ""
         if cfg.moe.enabled:
-            if self.rec.enabled and self.runner.moe_stats:
-                # tokens this rank routed to each expert this step (zero-length events)
-                t = self.rec.now()
-                kept = np.sum([st.kept for st in self.runner.moe_stats], axis=0)
-                for expert, tokens in enumerate(kept.tolist()):
-                    self.rec.record(EventKind.EXPERT, expert, -1, t, t, value=float(tokens))
-            moe = _moe_figures(ctx, self.runner.moe_stats)
+            count = max(total[1], 1.0)
+            moe = {
+                "min": float(-peak[3]),
+                "max": float(peak[2]),
+                "mean": float(total[2] / count),
+                "dropped": float(total[3] / count),
+                "aux": float(total[4] / count),
+            }
             figures.update({f"moe_{k}": v for k, v in moe.items()})
             moe_text = (
                 f" tok/expert={moe['min']:.0f}/{moe['mean']:.1f}/{moe['max']:.0f}"
@@ -292,6 +352,7 @@ class Trainer:
     def finish(self, complete: bool) -> None:
         """Trace, memory and timing reports, metrics file, parameters, verification."""
         ctx, cfg = self.ctx, self.cfg
+        self.flush_figures()
         if self.rec.enabled:
             path = self._write_trace()
             ctx.log(
@@ -303,7 +364,13 @@ class Trainer:
         timing = _report_timing(
             ctx, self.schedule, self.action_log, self.pipe_times, step_times[1:] or step_times
         )
-        final = _gather_params(ctx, self.params, self.coords)
+        verify = cfg.train.verify and complete and not ctx.changed
+        # the whole model on rank 0 only when something reads it (every rank decides alike)
+        final = (
+            _gather_params(ctx, self.params, self.coords)
+            if cfg.train.save_params or verify
+            else None
+        )
         if ctx.rank == 0:
             _write_metrics(ctx.output / "metrics.h5", self.history, cfg, timing)
             if cfg.train.save_params:
@@ -314,12 +381,41 @@ class Trainer:
                 f"{', '.join(ctx.changed)} (--allow-change), which no single-process "
                 "reference retraces"
             )
-        elif cfg.train.verify and complete and ctx.rank == 0:
+        elif verify and ctx.rank == 0:
             _verify(ctx, self.history["loss"], final, self.m)
         ctx.comms.world.Barrier()
         self.runner.free()
         if self.group is not None:
             self.group.free()
+
+
+def _check_same_schedule(ctx: RunContext, lowered: Schedule) -> None:
+    """Collective, once at start: every rank runs the same lowered schedule (exit 2 naming
+    which ranks differ, instead of a hang on a message nobody sends)."""
+    prints = ctx.comms.world.allgather(lowered.fingerprint())
+    if len(set(prints)) == 1:
+        return
+    groups: dict[str, list[int]] = {}
+    for rank, fp in enumerate(prints):
+        groups.setdefault(fp, []).append(rank)
+    described = "; ".join(
+        f"ranks {_ranges(ranks)} run schedule {fp}" for fp, ranks in groups.items()
+    )
+    raise ConfigError(
+        ctx.config.source,
+        "pipeline.schedule",
+        f"differs between ranks ({described}): every rank must read the same deck, overrides "
+        "and schedule file",
+    )
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, [*ranks[1:], None], strict=True):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
 
 
 def _reduce_scalars(
@@ -343,34 +439,6 @@ def _reduce_scalars(
     )
     total = allreduce(ctx.comms.world, local)  # one collective for all of them
     return float(total[0]), float(total[1] + total[2]), bool(total[3] > 0)
-
-
-def _moe_figures(ctx: RunContext, stats: list[Any]) -> dict[str, float]:
-    """Kept tokens per expert (min/mean/max over layers, microbatches and ranks), dropped
-    fraction and mean aux loss of this step, over the whole world."""
-    from hpcpipe.moe import summarize_stats
-
-    local = summarize_stats(stats)
-    n = 1.0 if local else 0.0
-    lo = np.array([local.get("tokens_per_expert_min", np.inf)])
-    hi = np.array([local.get("tokens_per_expert_max", -np.inf)])
-    sums = np.array(
-        [n]
-        + [
-            n * local.get(k, 0.0)
-            for k in ("tokens_per_expert_mean", "dropped_fraction", "aux_loss")
-        ]
-    )
-    world = ctx.comms.world
-    lo, hi, sums = allreduce(world, lo, "min"), allreduce(world, hi, "max"), allreduce(world, sums)
-    count = max(sums[0], 1.0)
-    return {
-        "min": float(lo[0]),
-        "max": float(hi[0]),
-        "mean": float(sums[1] / count),
-        "dropped": float(sums[2] / count),
-        "aux": float(sums[3] / count),
-    }
 
 
 def _expert_group(ctx: RunContext):
@@ -413,15 +481,6 @@ def _report_non_finite(
         f"gradients on stage(s) {stages or 'none (loss only)'}; lower optim.lr or set "
         "optim.grad_clip"
     )
-
-
-def _step_figures(ctx: RunContext, result: StepResult, dt: float) -> tuple[float, int, float]:
-    """Measured bubble (1 - mean compute / step time over ranks), peak memory over ranks."""
-    local = np.array([result.compute_time, result.peak_live_bytes, result.peak_live_units])
-    total = allreduce(ctx.comms.world, local)
-    peaks = allreduce(ctx.comms.world, local, "max")
-    mean_compute = total[0] / ctx.size
-    return max(0.0, 1.0 - mean_compute / dt), int(peaks[1]), float(peaks[2])
 
 
 def _report_activation_memory(ctx: RunContext, schedule, runner: PipelineRank) -> None:
