@@ -23,6 +23,19 @@ EXIT_RUNTIME = 1
 EXIT_BAD_INPUT = 2
 
 
+def report(text: str) -> None:
+    """Write `text` and its newline to stderr in one system call: the launcher merges every
+    rank's stderr, and a line written in pieces (what `print` does) can be interleaved with
+    another rank's line. Writes up to 4 KiB to a pipe are atomic."""
+    sys.stderr.flush()
+    data = (text + "\n").encode(errors="replace")
+    try:
+        while data:
+            data = data[os.write(2, data) :]
+    except OSError:  # stderr closed: nothing more can be said
+        pass
+
+
 def rank_prefix() -> str:
     """`[rank N on host]`, known even before MPI is initialised (from launcher variables)."""
     rank = _launcher_rank()
@@ -69,9 +82,9 @@ def abort_on_error(fn: Callable[[], T], *, bad_input: tuple[type[BaseException],
     except bad_input as exc:
         if _everyone_failed():
             if launcher_rank() == 0:
-                print(printable(f"ERROR: {exc}"), file=sys.stderr, flush=True)
+                report(printable(f"ERROR: {exc}"))
             sys.exit(EXIT_BAD_INPUT)
-        print(printable(f"{rank_prefix()} ERROR: {exc}"), file=sys.stderr, flush=True)
+        report(printable(f"{rank_prefix()} ERROR: {exc}"))
         _abort(EXIT_BAD_INPUT)
         raise  # unreachable: Abort does not return
     except BaseException as exc:  # the job's last line of defence
@@ -138,9 +151,7 @@ def _report_crash(exc: BaseException) -> None:
     prefix = rank_prefix()
     tb = "".join(traceback.format_exception(exc)).rstrip()
     body = "\n".join(f"{prefix} {line}" for line in tb.splitlines())
-    print(
+    report(
         f"{prefix} unhandled {type(exc).__name__}: {exc}\n{body}\n"
-        f"{prefix} aborting the whole job (MPI_Abort)",
-        file=sys.stderr,
-        flush=True,
+        f"{prefix} aborting the whole job (MPI_Abort)"
     )

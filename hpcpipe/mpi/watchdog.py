@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from hpcpipe.mpi.guard import ABORT_GRACE_S, EXIT_RUNTIME, rank_prefix
+from hpcpipe.mpi.guard import ABORT_GRACE_S, EXIT_RUNTIME, rank_prefix, report
 
 __all__ = ["Watchdog"]
 
@@ -117,18 +117,16 @@ class Watchdog:
             f"{rank_prefix()} watchdog: {label} has run {time.monotonic() - started:.1f} s, "
             f"over {over}; this rank is at: {where}"
         )
-        print(self.fired, file=sys.stderr, flush=True)
+        report(self.fired)
         # the other ranks time out within a poll interval: let their reports out first
         if self._stop.wait(self.grace_s):
             return
         if self._armed is not armed:  # the phase ended after all: keep watching
-            print(f"{rank_prefix()} watchdog: {label} finished late", file=sys.stderr, flush=True)
+            report(f"{rank_prefix()} watchdog: {label} finished late")
             return
-        print(
+        report(
             f"{rank_prefix()} watchdog: aborting the job (MPI_Abort); raise {self.key} if "
-            "this phase is legitimately slow",
-            file=sys.stderr,
-            flush=True,
+            "this phase is legitimately slow"
         )
         self._abort(EXIT_RUNTIME)
 

@@ -357,3 +357,17 @@ def test_the_run_files_policy_lists_what_every_workload_writes():
 def test_3_allow_change_names_only_compared_keys(args, words):
     r = run_cli(["run", TRAIN, *args])
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.output
+
+
+def test_rank_reports_reach_stderr_in_one_write(monkeypatch):
+    """The launcher merges every rank's stderr: a report written in pieces (print writes the
+    text and its newline separately) could be split by another rank's line, so one grep line
+    would hold two reports."""
+    import os
+
+    from hpcpipe.mpi import guard
+
+    writes: list[tuple[int, bytes]] = []
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, bytes(data))) or len(data))
+    guard.report("[rank 3 on host] watchdog: step 2 has run 3.1 s")
+    assert writes == [(2, b"[rank 3 on host] watchdog: step 2 has run 3.1 s\n")]
