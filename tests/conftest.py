@@ -93,6 +93,22 @@ def run_mpi(
     return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
 
 
+def run_json_driver(ranks: int, script: Path, *args: str, timeout: float = 120) -> list[dict]:
+    """`mpiexec -n RANKS python SCRIPT ARGS` that must succeed; the JSON lines it printed."""
+    import json
+
+    proc = subprocess.run(
+        [*mpiexec_command(), "-n", str(ranks), sys.executable, str(script), *args],
+        cwd=ROOT,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def run_cli(args: list[str], *, timeout: float = 60, cwd: Path | None = None) -> Result:
     """`python -m hpcpipe ARGS` without a launcher (plan, trace, bad-input paths)."""
     import time

@@ -4,12 +4,10 @@ not (MPI 3 and mpi4py 3, CI's second lane), both exactly equal to the sum."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_environ, mpiexec_command
+from conftest import run_json_driver
 
 pytestmark = pytest.mark.mpi
 
@@ -18,18 +16,7 @@ DRIVER = Path(__file__).resolve().parent / "collectives_driver.py"
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_bucketed_allreduce_persistent_and_fallback_are_exact(ranks):
-    import subprocess
-
-    proc = subprocess.run(
-        [*mpiexec_command(), "-n", str(ranks), sys.executable, str(DRIVER)],
-        cwd=ROOT,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    records = run_json_driver(ranks, DRIVER)[-1]
     fallback = records["fallback"]
     assert fallback == {
         "path": "nonblocking",

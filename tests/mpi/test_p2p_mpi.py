@@ -4,13 +4,10 @@ size (the stage, microbatch and sender named)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_environ, mpiexec_command
+from conftest import run_json_driver
 
 pytestmark = pytest.mark.mpi
 
@@ -18,16 +15,7 @@ DRIVER = Path(__file__).resolve().parent / "p2p_driver.py"
 
 
 def _run(ranks: int, *what: str) -> list[dict]:
-    proc = subprocess.run(
-        [*mpiexec_command(), "-n", str(ranks), sys.executable, str(DRIVER), *what],
-        cwd=ROOT,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_json_driver(ranks, DRIVER, *what)
 
 
 def test_persistent_buffers_are_reused_across_microbatches_and_steps():
