@@ -23,10 +23,7 @@ CASES = [(name, p, m) for name in SCHEDULE_NAMES for p, m in ((2, 4), (4, 8), (4
 
 
 def _lowered(name: str, p: int, m: int) -> Schedule:
-    try:
-        return validate(build_schedule(name, p, m))
-    except ValueError as exc:
-        pytest.skip(f"{name} p={p} m={m}: {exc}")
+    return validate(build_schedule(name, p, m))  # every registered schedule builds at these
 
 
 @pytest.mark.parametrize(("name", "p", "m"), CASES)
