@@ -29,6 +29,17 @@ class TopologyError(ValueError):
         super().__init__(f"{dim} {message}" if dim else message)
 
 
+def format_ranks(ranks: list[int]) -> str:
+    """Sorted ranks written the way Slurm writes node lists ("0-2,5,7-8"): a report about
+    thousands of ranks stays one short line."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, [*ranks[1:], None], strict=True):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
 def resolve_dims(world: int, pp: int, dp: int, ep: int) -> dict[str, int]:
     """Fill in dp = 0 ('the rest') and check that the degrees multiply to the world size."""
     if world < 1:

@@ -37,7 +37,7 @@ def mpiexec_command() -> list[str]:
         cmd = [found]
     try:
         version = subprocess.run(
-            [*cmd, "--version"], capture_output=True, text=True, timeout=30
+            [*cmd, "--version"], capture_output=True, text=True, timeout=30, env=clean_environ()
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         version = ""
@@ -49,10 +49,37 @@ def mpiexec_command() -> list[str]:
     return cmd
 
 
+# What a launcher or an MPI runtime puts in a process's environment (Slurm, Hydra's PMI, Open
+# MPI's ORTE/PMIx): a child started with them joins, or refuses, the parent's job instead of
+# starting its own. User tuning (OMPI_MCA_btl=..., MPIR_CVAR_...) is kept.
+_LAUNCHER_PREFIXES = (
+    "SLURM_",
+    "PMI_",
+    "PMIX_",
+    "MPI_LOCALNRANKS",
+    "MPI_LOCALRANKID",
+    "OMPI_MCA_ess",
+    "OMPI_MCA_orte_",
+    "OMPI_MCA_pmix",
+    "OMPI_MCA_initial_wdir",
+)
+
+
+def _from_launcher(key: str) -> bool:
+    if key.startswith("OMPI_") and not key.startswith("OMPI_MCA_"):
+        return True  # OMPI_COMM_WORLD_RANK, OMPI_UNIVERSE_SIZE, OMPI_COMMAND, ...
+    return key.startswith(_LAUNCHER_PREFIXES)
+
+
 def clean_environ() -> dict[str, str]:
-    """This process's environment without Slurm's variables: pytest may itself run inside an
-    allocation, whose task counts would (rightly) contradict a test's own mpiexec -n."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    """The environment every test launch gets: this process's, without what a launcher put
+    there (pytest may run inside an allocation or under mpiexec, whose task counts would rightly
+    contradict a test's own mpiexec -n).
+
+    Always pass it (env=clean_environ()): with env=None a child inherits the C-level
+    environment, where an MPI initialised in this process (Open MPI's singleton sets PMIX_* by
+    setenv, unseen by os.environ) makes the child's mpiexec fail without a word."""
+    return {k: v for k, v in os.environ.items() if not _from_launcher(k)}
 
 
 @dataclass
@@ -148,7 +175,9 @@ def launched_h5py_is_parallel() -> bool:
         "import h5py; print(h5py.get_config().mpi)",
     ]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=60, env=clean_environ()
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.strip().endswith("True")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from conftest import clean_environ
+
 
 def test_plan_4096_ranks_without_mpi(cli):
     r = cli(["plan", "--world", "4096", "--ranks-per-node", "8", "--set", "topology.ep=4"])
@@ -19,7 +21,13 @@ def test_plan_does_not_import_mpi4py():
         "import sys; from hpcpipe.cli import main; main(['plan', '--world', '64']); "
         "assert 'mpi4py' not in sys.modules, 'plan imported mpi4py'"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_environ(),
+    )
     assert proc.returncode == 0, proc.stderr
 
 

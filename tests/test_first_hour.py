@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import INPUTS, ROOT, run_cli
+from conftest import INPUTS, ROOT, clean_environ, run_cli
 
 SWEEP = str(INPUTS / "sweep_tiny.toml")
 TRAIN = str(INPUTS / "train_tiny.toml")
@@ -36,6 +36,7 @@ def _without_matplotlib(args: list[str], cwd) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
+        env=clean_environ(),
     )
 
 
@@ -113,7 +114,12 @@ def test_dry_run_without_a_launcher_starts_no_mpi():
         "assert 'mpi4py' not in sys.modules, 'dry run imported mpi4py'; sys.exit(rc)"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=clean_environ(),
     )
     assert proc.returncode == 0, proc.stderr
     assert "[topology]" in proc.stdout and "world 4 = pp 2 x dp 2" in proc.stdout

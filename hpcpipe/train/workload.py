@@ -25,6 +25,7 @@ from hpcpipe.model.stage import Stage
 from hpcpipe.mpi.collectives import allreduce
 from hpcpipe.runtime import RunContext
 from hpcpipe.schedules.ir import Schedule
+from hpcpipe.topology import format_ranks
 from hpcpipe.train.checkpointing import restore, save
 from hpcpipe.train.data import build_dataset
 from hpcpipe.train.optim import apply_update, clip_scale, init_state, learning_rate
@@ -399,7 +400,7 @@ def _check_same_schedule(ctx: RunContext, lowered: Schedule) -> None:
     for rank, fp in enumerate(prints):
         groups.setdefault(fp, []).append(rank)
     described = "; ".join(
-        f"ranks {_ranges(ranks)} run schedule {fp}" for fp, ranks in groups.items()
+        f"ranks {format_ranks(ranks)} run schedule {fp}" for fp, ranks in groups.items()
     )
     raise ConfigError(
         ctx.config.source,
@@ -407,15 +408,6 @@ def _check_same_schedule(ctx: RunContext, lowered: Schedule) -> None:
         f"differs between ranks ({described}): every rank must read the same deck, overrides "
         "and schedule file",
     )
-
-
-def _ranges(ranks: list[int]) -> str:
-    out, start = [], ranks[0]
-    for a, b in zip(ranks, [*ranks[1:], None], strict=True):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
 
 
 def _reduce_scalars(

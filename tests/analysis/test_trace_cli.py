@@ -8,7 +8,7 @@ import sys
 
 import h5py
 import pytest
-from conftest import ROOT
+from conftest import ROOT, clean_environ
 from trace_synth import V_SHAPE, one_f_one_b, write_synthetic
 
 from hpcpipe.cli import main
@@ -96,6 +96,7 @@ def test_real_entry_point_and_no_mpi_or_matplotlib_on_import(traces):
         text=True,
         timeout=120,
         cwd=ROOT,
+        env=clean_environ(),
     )
     assert proc.returncode == 0, proc.stderr
     assert "pipeline bubble" in proc.stdout
@@ -105,6 +106,11 @@ def test_real_entry_point_and_no_mpi_or_matplotlib_on_import(traces):
         "sys.exit(f'imported {bad}' if bad else 0)"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=clean_environ(),
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, clean_environ
 
 from hpcpipe.bench import BENCHMARKS, Column, Report, benchmark
 from hpcpipe.bench.model import activation_peaks, step_figures
@@ -45,7 +45,9 @@ def test_cli_parser_never_imports_mpi4py():
         "build_parser().parse_args(['bench', 'pipeline', '--synthetic']); "
         "assert 'mpi4py' not in sys.modules, sorted(m for m in sys.modules if 'mpi' in m)"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean_environ()
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -54,7 +56,9 @@ def test_runner_targets_resolve():
         "from hpcpipe.bench.cli import BENCHMARKS; "
         "print(sorted(b.name for b in BENCHMARKS.values() if callable(b.runner())))"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean_environ()
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(sorted(NAMES))
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, clean_environ
 
 _spec = importlib.util.spec_from_file_location("doc_samples", ROOT / "docs" / "samples.py")
 samples = importlib.util.module_from_spec(_spec)
@@ -75,6 +75,7 @@ def test_benchmark_tables_are_rendered_from_their_results():
         capture_output=True,
         text=True,
         timeout=120,
+        env=clean_environ(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in proc.stdout.splitlines():  # said, not failed: rerunning takes 15 minutes
@@ -140,5 +141,6 @@ def test_commands_in_deck_headers_are_accepted(deck, args, ranks):
         capture_output=True,
         text=True,
         timeout=120,
+        env=clean_environ(),
     )
     assert proc.returncode == 0, f"{deck}: hpcpipe {' '.join(args)}\n{proc.stderr}"

@@ -64,11 +64,13 @@ def cuda_aware_mpi() -> tuple[bool, str]:
 
 def run_gpu_driver(ranks: int, case: str, timeout: float = 240) -> list[dict]:
     """`mpiexec -n RANKS python gpu_driver.py CASE`: rank 0's JSON lines."""
-    from conftest import mpiexec_command
+    from conftest import clean_environ, mpiexec_command
 
     cmd = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(HERE / "gpu_driver.py"), case]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=clean_environ()
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(
             f"gpu_driver {case} on {ranks} ranks did not finish in {timeout}s\n{exc.stderr}"

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import clean_environ
 
 from hpcpipe.config import ConfigError
 from hpcpipe.preflight import SlurmLayout, check_slurm, slurm_layout
@@ -107,6 +108,7 @@ def test_unreadable_deck(tmp_path):
         timeout=60,
         cwd=ROOT,
         preexec_fn=_drop_file_capabilities if os.geteuid() == 0 else None,
+        env=clean_environ(),
     )
     if r.returncode == 77:
         pytest.skip("cannot drop CAP_DAC_OVERRIDE here (prctl PR_CAPBSET_DROP refused)")

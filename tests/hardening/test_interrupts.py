@@ -144,6 +144,7 @@ def _head_one(args: list[str]) -> tuple[int, str, str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=clean_environ(),
     )
     first = proc.stdout.readline()
     proc.stdout.close()

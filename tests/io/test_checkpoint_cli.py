@@ -9,6 +9,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
+from conftest import clean_environ
 
 from hpcpipe.io.checkpoint import ShardSpec, block_index, read_attrs, save_checkpoint
 
@@ -100,4 +101,4 @@ def test_registering_the_verbs_imports_neither_mpi_nor_h5py():
         "import sys, hpcpipe.io.ckpt_cli; "
         "assert 'mpi4py' not in sys.modules and 'h5py' not in sys.modules, sorted(sys.modules)"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_environ())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, mpiexec_command
+from conftest import ROOT, clean_environ, mpiexec_command
 
 from hpcpipe.analysis.messages import match_messages
 from hpcpipe.io.trace import EventKind, read_trace
@@ -24,7 +24,9 @@ RANKS, STEPS, MICROBATCHES = 4, 3, 4
 def written(tmp_path_factory):
     out = tmp_path_factory.mktemp("trace_mpi")
     cmd = [*mpiexec_command(), "-n", str(RANKS), sys.executable, str(DRIVER), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=clean_environ()
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     return out, report

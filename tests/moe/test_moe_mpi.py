@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import mpiexec_command
+from conftest import clean_environ, mpiexec_command
 
 pytestmark = pytest.mark.mpi
 
@@ -27,7 +27,9 @@ EXPECTED = {
 def run_driver(ranks: int) -> list[dict]:
     cmd = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(HERE / "moe_driver.py")]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=HERE)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=180, cwd=HERE, env=clean_environ()
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"moe_driver on {ranks} ranks did not finish in 180 s (hang?)\n{exc.stderr}")
     assert proc.returncode == 0, proc.stdout + proc.stderr

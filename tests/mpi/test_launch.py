@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, clean_environ
 
 pytestmark = pytest.mark.mpi
 
@@ -132,3 +135,30 @@ def test_unwritable_output_is_bad_input_naming_the_key(mpirun, tmp_path):
     assert r.returncode == 2, r.output  # found before any work, the same on every rank
     assert "run.output" in r.stderr and "[ENOTDIR]" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_launch_from_a_process_with_mpi_initialised():
+    """The test process may have MPI initialised (a test imported mpi4py.MPI): launches made
+    from it must still start their own job. Open MPI's singleton sets PMIX_* with setenv,
+    where os.environ does not see it; a child given env=None inherits them and its mpiexec
+    exits 1 without a word (what lane 2 once did to every test after the first import)."""
+    code = (
+        "import subprocess, sys\n"
+        "from mpi4py import MPI\n"
+        "assert MPI.Is_initialized()\n"
+        "from conftest import clean_environ, mpiexec_command\n"
+        "cmd = [*mpiexec_command(), '-n', '2', sys.executable, '-c',\n"
+        "       'from mpi4py import MPI; print(\"size\", MPI.COMM_WORLD.size)']\n"
+        "p = subprocess.run(cmd, env=clean_environ(), capture_output=True, text=True, timeout=90)\n"
+        "print(p.returncode, p.stdout, p.stderr)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT / "tests",
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("0 ") and proc.stdout.count("size 2") == 2, proc.stdout

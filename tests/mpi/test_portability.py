@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import clean_environ
 
 pytestmark = pytest.mark.mpi
 
@@ -51,6 +52,7 @@ def test_checkpoint_from_another_mpi_resumes_here(mpirun, tmp_path):
         text=True,
         timeout=180,
         stdin=subprocess.DEVNULL,
+        env=clean_environ(),
     )
     assert first.returncode == 0, first.stdout + first.stderr
     r = mpirun(

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, clean_environ, mpiexec_command
 
 from hpcpipe.schedules import build_schedule, lower
-from hpcpipe.train.workload import _ranges
+from hpcpipe.topology import format_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -21,7 +21,7 @@ def test_fingerprint_follows_the_actions_not_the_name():
     assert a.fingerprint() == b.fingerprint() and len(a.fingerprint()) == 16
     assert a.fingerprint() != lower(build_schedule("gpipe", 2, 4)).fingerprint()
     assert a.fingerprint() != lower(build_schedule("1f1b", 2, 6)).fingerprint()
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
 def test_ranks_with_different_schedules_stop_at_start(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpiexec_command, run_mpi
+from conftest import clean_environ, mpiexec_command, run_mpi
 
 from hpcpipe.config import load_config
 from hpcpipe.sweep.mesh import build_problem
@@ -27,7 +27,9 @@ TINY = ROOT / "inputs" / "sweep_tiny.toml"
 @pytest.mark.parametrize("ranks,layouts", [(2, {(2, 1), (1, 2)}), (4, {(2, 2)}), (8, {(4, 2)})])
 def test_parallel_sweep_equals_serial(ranks, layouts):
     cmd = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(HERE / "sweep_mpi_check.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=clean_environ()
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {tuple(r["layout"]) for r in records} == layouts
