@@ -15,6 +15,12 @@ Definitions (times on the aligned clock, one step at a time, then summed over re
   and BW time per stage and, for transfers, the median time from a send's start to the end of
   a receive that was already waiting for it. The difference to the measured bubble is what the
   model leaves out (send/receive overheads, jitter, imbalance between replicas).
+- reductions (ALLREDUCE events): `reduce` is the union of a rank's reductions in flight;
+  `reduce_exposed` the part of it after the step's work ended (the last compute or message
+  event of any rank), i.e. what the reductions added to the step; `hidden` = 1 - exposed /
+  in flight over all ranks. `reduce_behind_compute` is the part during the rank's own compute.
+  A pipeline sees a reduction complete between actions, so its end (and the hidden share) is
+  late by at most the action during which it completed.
 - stragglers: a rank whose busy time exceeds the median rank's by more than the threshold (it
   holds the most work), or whose `slowdown` does: its F/B/W/BW time over the median time of the
   same actions in the same step on every rank that ran them (data-parallel replicas), which
@@ -36,6 +42,8 @@ from hpcpipe.io.trace import (
     COMM_KINDS,
     COMPUTE_KINDS,
     PIPELINE_KINDS,
+    RECV_KINDS,
+    SEND_KINDS,
     EventKind,
     Trace,
 )
@@ -46,6 +54,10 @@ K = EventKind
 _COMPUTE = np.array([int(k) for k in COMPUTE_KINDS])
 _COMM = np.array([int(k) for k in COMM_KINDS])
 _PIPE_COMPUTE = np.array([int(K.F), int(K.B), int(K.W), int(K.BW)])
+_WORK = np.array(  # what a step's reductions can hide behind: compute and messages, any rank
+    [int(k) for k in COMPUTE_KINDS if k != K.OPTIMIZER]
+    + [int(k) for k in (*SEND_KINDS, *RECV_KINDS)]
+)
 _NPIPE = len(PIPELINE_KINDS)
 
 
@@ -98,6 +110,9 @@ class Summary:
     idle_ns: np.ndarray
     overlap_ns: np.ndarray
     late_sender_ns: np.ndarray
+    reduce_ns: np.ndarray
+    reduce_exposed_ns: np.ndarray
+    reduce_behind_compute_ns: np.ndarray
     window_ns: int
     per_step: tuple[StepFigures, ...]
     prediction: Prediction | None
@@ -134,6 +149,12 @@ class Summary:
     def peak_bytes(self) -> int:
         return max((s.peak_bytes for s in self.per_step), default=0)
 
+    @property
+    def reduce_hidden(self) -> float | None:
+        """Share of the ranks' reduction time that did not lengthen the step (None: none ran)."""
+        total = int(self.reduce_ns.sum())
+        return None if total == 0 else 1.0 - float(self.reduce_exposed_ns.sum()) / total
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form (times in seconds)."""
         ns = 1e-9
@@ -151,6 +172,7 @@ class Summary:
             "bubble": self.bubble,
             "stage_bubble": self.stage_bubble,
             "peak_bytes": self.peak_bytes,
+            "reduce_hidden": self.reduce_hidden,
             "per_rank": {
                 "busy": arr(self.busy_ns),
                 "comm": arr(self.comm_ns),
@@ -158,6 +180,9 @@ class Summary:
                 "idle": arr(self.idle_ns),
                 "overlap": arr(self.overlap_ns),
                 "late_sender": arr(self.late_sender_ns),
+                "reduce": arr(self.reduce_ns),
+                "reduce_exposed": arr(self.reduce_exposed_ns),
+                "reduce_behind_compute": arr(self.reduce_behind_compute_ns),
                 "slowdown": [float(x) for x in self.slowdown],
             },
             "per_step": [
@@ -215,6 +240,32 @@ def _step_window(trace: Trace, step: int) -> tuple[int, int]:
     if lo is None or hi is None:
         raise ValueError(f"step {step} has no events")
     return lo, hi
+
+
+def _work_end(trace: Trace, step: int) -> int:
+    """When the step's work (compute and messages, not the optimizer) ended on the last rank."""
+    end = None
+    for r in range(trace.num_ranks):
+        ev = trace.step_events(r, step)
+        work = ev[np.isin(ev["kind"], _WORK)]
+        if work.size:
+            e = int(work["t_end"].max())
+            end = e if end is None else max(end, e)
+    return end if end is not None else 0
+
+
+def _reduction_split(red: np.ndarray, comp: np.ndarray, work_end: int) -> tuple[int, int, int]:
+    """A rank's reductions in one step: (in flight, after `work_end`, during own compute)."""
+    total = union_length(red["t_start"], red["t_end"])
+    tail_start = np.maximum(red["t_start"], work_end)
+    after = union_length(tail_start, np.maximum(red["t_end"], tail_start))
+    both = np.concatenate([red, comp])
+    during = (
+        total
+        + union_length(comp["t_start"], comp["t_end"])
+        - union_length(both["t_start"], both["t_end"])
+    )
+    return total, after, during
 
 
 def _durations(ev: np.ndarray) -> np.ndarray:
@@ -376,6 +427,9 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
     io = np.zeros(p, dtype=np.int64)
     idle = np.zeros(p, dtype=np.int64)
     overlap = np.zeros(p, dtype=np.int64)
+    reduce = np.zeros(p, dtype=np.int64)
+    exposed = np.zeros(p, dtype=np.int64)
+    behind = np.zeros(p, dtype=np.int64)
     window_total = 0
     per_step = []
     for step in chosen:
@@ -386,6 +440,7 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
         pipe_span = np.ones(p, dtype=np.int64)
         pipe_lo, pipe_hi = [], []
         peak = 0
+        work_end = _work_end(trace, step)
         for r in range(p):
             all_ev = trace.step_events(r, step)
             sel = all_ev[all_ev["kind"] != K.STEP]
@@ -404,6 +459,12 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
             comm[r] += c
             overlap[r] += b + c - u
             io[r] += union_length(ckp["t_start"], ckp["t_end"])
+            red = sel[sel["kind"] == K.ALLREDUCE]
+            if red.size:
+                total, after, during = _reduction_split(red, comp, work_end)
+                reduce[r] += total
+                exposed[r] += after
+                behind[r] += during
             idle[r] += window - union_length(every["t_start"], every["t_end"])
             pipe = sel[np.isin(sel["kind"], _PIPE_COMPUTE)]
             if pipe.size:
@@ -447,6 +508,9 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
         idle_ns=idle,
         overlap_ns=overlap,
         late_sender_ns=late,
+        reduce_ns=reduce,
+        reduce_exposed_ns=exposed,
+        reduce_behind_compute_ns=behind,
         window_ns=window_total,
         per_step=tuple(per_step),
         prediction=prediction,
@@ -550,6 +614,18 @@ def format_summary(s: Summary, max_rows: int = 32) -> str:
         + (f", predicted {fmt_time(pred.step_time_ns)}" if pred else "")
         + (f", peak memory {s.peak_bytes / 2**20:.2f} MiB" if s.peak_bytes else "")
     )
+    hidden = s.reduce_hidden
+    if hidden is not None:
+        n_steps = max(len(s.steps), 1)
+        worst = int(np.argmax(s.reduce_exposed_ns))
+        lines.append(
+            f"gradient reductions: in flight {fmt_time(s.reduce_ns.mean() / n_steps)} per step "
+            f"(mean over ranks), {_pct(hidden)} hidden (over before the step's last compute or "
+            f"message ended), {_pct(s.reduce_behind_compute_ns.sum() / s.reduce_ns.sum())} "
+            f"behind the rank's own compute; exposed "
+            f"{fmt_time(s.reduce_exposed_ns.mean() / n_steps)} per step (worst rank {worst}: "
+            f"{fmt_time(s.reduce_exposed_ns[worst] / n_steps)})"
+        )
     lines.append(f"prediction: {s.prediction_note}")
     if pred:
         lines.append(f"  median transfer of a waited-for message: {fmt_time(pred.transfer_ns)}")

@@ -174,6 +174,18 @@ def _ckpt(p: argparse.ArgumentParser) -> None:
 
 
 @benchmark(
+    "overlap",
+    "per schedule, pp x dp: data-parallel gradient reductions hidden behind the pipeline",
+    "hpcpipe.bench.overlap:run",
+)
+def _overlap(p: argparse.ArgumentParser) -> None:
+    _deck(p, "inputs/gpt_pp4.toml")
+    p.add_argument(
+        "--pp", type=int, default=2, help="pipeline ranks per replica; dp = world / pp (default 2)"
+    )
+
+
+@benchmark(
     "memory",
     "per schedule and rank: peak RSS and peak activation memory vs the model",
     "hpcpipe.bench.memory:run",

@@ -165,10 +165,16 @@ def load_or_skip(build: Callable[[], Any]) -> tuple[Any, str | None]:
 
 
 def build_trainer(
-    comm: MPI.Comm, deck: str, overrides: Sequence[str], schedule: str, steps: int
+    comm: MPI.Comm,
+    deck: str,
+    overrides: Sequence[str],
+    schedule: str,
+    steps: int,
+    *extra: str,
 ) -> tuple[RunContext, Any]:
     """A `Trainer` for `schedule`, built as `hpcpipe run` builds it (no verify, no outputs);
-    frees its communicators again when the deck cannot run that schedule (ConfigError)."""
+    frees its communicators again when the deck cannot run that schedule (ConfigError).
+    `extra` settings come last (another layout than pp = world)."""
     from hpcpipe.train.workload import Trainer
 
     config = bench_config(
@@ -178,6 +184,7 @@ def build_trainer(
         f"pipeline.schedule={schedule}",
         f"run.steps={steps}",
         "train.verify=false",
+        *extra,
     )
     ctx = world_context(comm, config)
     try:

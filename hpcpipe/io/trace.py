@@ -75,7 +75,9 @@ class EventKind(IntEnum):
     = sending world rank (the same convention as the schedule's actions). SEND, RECV: any other
     point-to-point message (sweep faces, halos); stage and microbatch are a tag both sides share.
     WAIT: completing outstanding requests. ALLREDUCE, ALLTOALL: from start to completion (may
-    overlap compute), bytes sent. EXPERT: stage = global expert id, value = tokens processed.
+    overlap compute), bytes sent; a pipeline's ALLREDUCE is one stage's gradients (value 1:
+    expert gradients), seen complete at the next check between actions. EXPERT: stage =
+    global expert id, value = tokens processed.
     STEP: the whole step; bytes = the rank's peak live memory in it, value = the loss (optional).
     """
 

@@ -21,7 +21,7 @@ receive buffer must be copied, or not refilled, while those contexts are alive.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,10 +103,15 @@ class Stage:
 
     def backward_weight(self, params: Params, wctx: Any) -> Params:
         """W: parameter gradients of this microbatch, keyed like `params`."""
-        return {
-            i: unit.backward_weight(params[i], w)
-            for i, unit, w in zip(self.indices, self.units, wctx, strict=True)
-        }
+        return dict(self.backward_weight_units(params, wctx))
+
+    def backward_weight_units(
+        self, params: Params, wctx: Any
+    ) -> Iterator[tuple[int, dict[str, Array]]]:
+        """W unit by unit, in the order of `params`: a caller can act on each unit's gradients
+        as soon as they exist (start reducing them while the next unit computes)."""
+        for i, unit, w in zip(self.indices, self.units, wctx, strict=True):
+            yield i, unit.backward_weight(params[i], w)
 
     def backward(self, params: Params, ctx: Any, dy: Any) -> tuple[Array | None, Params]:
         """Fused BW: B then W at once (schedules without a B/W split)."""

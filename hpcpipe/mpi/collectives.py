@@ -17,7 +17,10 @@ end of the step (`wait`).
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -26,7 +29,7 @@ from mpi4py import MPI
 from hpcpipe.backend import Backend
 from hpcpipe.faults import maybe_fail
 
-__all__ = ["BucketedAllreduce", "FlatBuffer", "allreduce", "allreduce_value"]
+__all__ = ["BucketedAllreduce", "FlatBuffer", "Reduction", "allreduce", "allreduce_value"]
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -84,6 +87,20 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 @dataclass
+class Reduction:
+    """One started buffer's reduction: when it started and when it was seen complete.
+
+    MPI gives no completion time: `done` is the first check that found every bucket complete
+    (between two actions, or in `wait`), so it is late by at most the action that ran between
+    checks; a reduction still running at `wait` is timed exactly by it."""
+
+    key: str
+    start: int
+    nbytes: int
+    done: int = -1
+
+
+@dataclass
 class BucketedAllreduce:
     """In-place SUM of flat buffers in buckets over a communicator; `wait` completes all."""
 
@@ -93,10 +110,20 @@ class BucketedAllreduce:
     persistent: bool | None = None
     """Persistent collectives for host buffers: None uses them where the MPI library has them,
     False never (the fallback path, also what MPI 3 gets)."""
-    _pending: list[tuple[MPI.Request, Any, Any, str]] = field(default_factory=list)
+    clock: Callable[[], int] | None = None
+    """Times each started buffer's reduction (`reductions`), e.g. a trace recorder's `now`."""
+    _pending: list[tuple[MPI.Request, Any, Any, str, int]] = field(default_factory=list)
     _active: list[MPI.Request] = field(default_factory=list)
+    _owner: list[int] = field(default_factory=list)  # per active request: its `reductions` row
     _requests: dict[int, tuple[FlatBuffer, list[MPI.Request]]] = field(default_factory=dict)
-    _queued: list[tuple[Any, Any, Any, str, Any]] = field(default_factory=list)
+    _queued: list[tuple[Any, Any, Any, str, Any, int]] = field(default_factory=list)
+    _left: list[int] = field(default_factory=list)  # per row: requests not yet complete
+    _seen: int = 0  # device path: leading `_pending` requests known complete
+    _open: dict[int, tuple[int, int]] = field(default_factory=dict)  # buffer: row, next bucket
+    _closed: set[int] = field(default_factory=set)  # rows whose every bucket has started
+    _edges: dict[int, tuple[FlatBuffer, list[int]]] = field(default_factory=dict)
+    reductions: list[Reduction] = field(default_factory=list)
+    """One row per `start` since the last `wait` (readable after it, until the next start)."""
     host_waits: int = 0  # device buckets whose data the host had to wait for (at `wait`)
 
     def __post_init__(self) -> None:
@@ -110,33 +137,98 @@ class BucketedAllreduce:
         """How host buffers are reduced: "persistent" or "nonblocking" (for logs and tables)."""
         return "persistent" if self.persistent else "nonblocking"
 
-    def start(self, buffer: FlatBuffer, key: str = "") -> None:
-        """Begin reducing `buffer` in place; no-op on a communicator of one rank."""
+    def start(self, buffer: FlatBuffer, key: str = "", upto: int | None = None) -> None:
+        """Begin reducing `buffer` in place; no-op on a communicator of one rank.
+
+        With `upto`, only the buckets that end at or before element `upto` (and were not started
+        yet): a buffer filled piece by piece (a stage's last W, unit by unit) starts each bucket
+        as soon as it is final, as DDP does in the backward. Later calls for the same buffer in
+        the same step continue where the last one stopped; without `upto` they start the rest.
+        Every rank of the communicator must start the same buckets in the same order."""
         if self._alone:
             return
-        maybe_fail("allreduce")
+        if not self._left:  # the first start after a `wait`: a new step's rows
+            self.reductions.clear()
+        bounds = self._bounds(buffer)
+        state = self._open.get(id(buffer))
+        if state is None:
+            maybe_fail("allreduce")
+            row, first = len(self.reductions), 0
+            clock = self.clock
+            self.reductions.append(Reduction(key, clock() if clock else 0, int(buffer.flat.nbytes)))
+            self._left.append(0)
+        else:
+            row, first = state
+        buckets = len(bounds) - 1
+        last = buckets if upto is None else min(buckets, bisect_right(bounds, upto) - 1)
+        if last <= first:
+            self._open[id(buffer)] = (row, first)
+            return
+        self._open[id(buffer)] = (row, last)
+        self._left[row] += last - first
+        if last == buckets:
+            self._closed.add(row)
         if self._host:  # host memory: MPI reads and writes the buffer itself
-            known = self._requests.get(id(buffer))
-            if known is not None:  # the hot path: this buffer's persistent requests
-                requests = known[1]
-                MPI.Prequest.Startall(requests)
-                self._active += requests
-            else:
-                self._start_host(buffer)
+            requests = self._host_requests(buffer, bounds)
+            if requests is None:  # nonblocking fallback: new requests every step
+                flat = buffer.flat
+                started = [
+                    self.comm.Iallreduce(MPI.IN_PLACE, flat[bounds[b] : bounds[b + 1]], op=MPI.SUM)
+                    for b in range(first, last)
+                ]
+            else:  # the hot path: this buffer's persistent requests
+                started = requests[first:last]
+                MPI.Prequest.Startall(started)
+            self._active += started
+            self._owner += [row] * len(started)
             return
         flat = buffer.flat
-        per = max(1, self.bucket_bytes // flat.itemsize)
-        chunks = [flat[lo : lo + per] for lo in range(0, flat.size, per)]
-        slots = [f"ar{key}.{b}" for b in range(len(chunks))]
+        chunks = [flat[bounds[b] : bounds[b + 1]] for b in range(first, last)]
+        slots = [f"ar{key}.{b}" for b in range(first, last)]
         if self.backend.staged:  # every bucket's copy queued at once on the copy stream
             for chunk, slot in zip(chunks, slots, strict=True):
                 copy = self.backend.stage_out(chunk, slot)
-                self._queued.append((copy.event, chunk, copy.host, slot, copy))
+                self._queued.append((copy.event, chunk, copy.host, slot, copy, row))
         else:  # MPI reads the device buffer itself once its kernels are done
             event = self.backend.record_event()
             for chunk, slot in zip(chunks, slots, strict=True):
-                self._queued.append((event, chunk, chunk, slot, None))
+                self._queued.append((event, chunk, chunk, slot, None, row))
         self.progress()
+
+    def _bounds(self, buffer: FlatBuffer) -> list[int]:
+        """Bucket edges of `buffer` in elements: bucket b is [bounds[b], bounds[b + 1])."""
+        known = self._edges.get(id(buffer))
+        if known is None:
+            flat = buffer.flat
+            per = max(1, self.bucket_bytes // flat.itemsize)
+            # the buffer is kept alive with its edges, so its id cannot be reused
+            known = self._edges[id(buffer)] = (buffer, [*range(0, flat.size, per), flat.size])
+        return known[1]
+
+    def _host_requests(self, buffer: FlatBuffer, bounds: list[int]) -> list[MPI.Request] | None:
+        """The buffer's persistent requests, one per bucket, created on first use (None on the
+        nonblocking path)."""
+        if not self.persistent:
+            return None
+        known = self._requests.get(id(buffer))
+        if known is not None:
+            return known[1]
+        flat = buffer.flat
+        try:
+            reqs = [
+                self.comm.Allreduce_init(MPI.IN_PLACE, flat[lo:hi], op=MPI.SUM)
+                for lo, hi in pairwise(bounds)
+            ]
+        except NotImplementedError:  # mpi4py 4 over an MPI-3 library
+            self.persistent = False
+            return None
+        self._requests[id(buffer)] = (buffer, reqs)
+        return reqs
+
+    def _completed(self, row: int) -> None:
+        self._left[row] -= 1
+        if not self._left[row] and row in self._closed:
+            self.reductions[row].done = self.clock() if self.clock else 0
 
     def progress(self) -> None:
         """Let started reductions advance while the backward goes on (MPI moves a nonblocking
@@ -145,11 +237,13 @@ class BucketedAllreduce:
         active = self._active
         while active and active[0].Test():  # one by one: MPICH 5's Testall fails on
             active.pop(0)  # persistent collectives (MPI_ERR_IN_STATUS); done ones go inactive
+            self._completed(self._owner.pop(0))
         if self._queued:
             self._start_queued(block=False)
-        for request, _, _, _ in self._pending:
-            if not request.Test():
-                break
+        pending = self._pending
+        while self._seen < len(pending) and pending[self._seen][0].Test():
+            self._completed(pending[self._seen][4])  # copied back to the device in `wait`
+            self._seen += 1
 
     @property
     def busy(self) -> bool:
@@ -158,7 +252,7 @@ class BucketedAllreduce:
 
     def _start_queued(self, block: bool) -> None:
         while self._queued:
-            event, chunk, buf, slot, copy = self._queued[0]
+            event, chunk, buf, slot, copy, row = self._queued[0]
             if event is not None and not event.done:
                 if not block:
                     return
@@ -168,50 +262,41 @@ class BucketedAllreduce:
                 copy.wait()  # landed: drops its hold on the device source
             self._queued.pop(0)
             req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            self._pending.append((req, chunk, buf, slot))
-
-    def _start_host(self, buffer: FlatBuffer) -> None:
-        if self.persistent:
-            known = self._requests.get(id(buffer))
-            if known is None:
-                try:
-                    reqs = [
-                        self.comm.Allreduce_init(MPI.IN_PLACE, chunk, op=MPI.SUM)
-                        for chunk in self._chunks(buffer)
-                    ]
-                except NotImplementedError:  # mpi4py 4 over an MPI-3 library
-                    self.persistent = False
-                    self._start_host(buffer)
-                    return
-                # the buffer is kept alive with its requests, so its id cannot be reused
-                known = self._requests[id(buffer)] = (buffer, reqs)
-            MPI.Prequest.Startall(known[1])
-            self._active.extend(known[1])
-            return
-        for chunk in self._chunks(buffer):
-            self._active.append(self.comm.Iallreduce(MPI.IN_PLACE, chunk, op=MPI.SUM))
-
-    def _chunks(self, buffer: FlatBuffer) -> list[Any]:
-        flat = buffer.flat
-        per = max(1, self.bucket_bytes // flat.itemsize)
-        return [flat[lo : lo + per] for lo in range(0, flat.size, per)]
+            self._pending.append((req, chunk, buf, slot, row))
 
     def wait(self) -> None:
-        """Complete every started bucket (and copy staged ones back to the device)."""
+        """Complete every started bucket, after starting the buckets of any buffer started only
+        in part (and copy staged ones back to the device)."""
+        for bid, (row, _) in list(self._open.items()):
+            if row not in self._closed:
+                self.start(self._edges[bid][0], self.reductions[row].key)
         active = self._active
         if active:
             MPI.Request.Waitall(active)  # persistent ones stay allocated, inactive
+            for row in self._owner:
+                self._completed(row)
             active.clear()
-        if self._host:
-            return
+            self._owner.clear()
+        if not self._host:
+            self._wait_device()
+        self._left.clear()
+        self._closed.clear()
+        self._open.clear()
+
+    def _wait_device(self) -> None:
         if self._queued:
             self._start_queued(block=True)
         if not self._pending:
             return
-        MPI.Request.Waitall([r for r, _, _, _ in self._pending])
-        for _, chunk, buf, slot in self._pending:
+        MPI.Request.Waitall([p[0] for p in self._pending])
+        done = self.clock() if self.clock else 0
+        for *_, row in self._pending[self._seen :]:
+            if self.reductions[row].done < 0:
+                self.reductions[row].done = done
+        for _, chunk, buf, slot, _ in self._pending:
             self.backend.finish_recv(chunk, buf, slot)  # staged: back to the device, async
         self._pending.clear()
+        self._seen = 0
 
     def free(self) -> None:
         """Release the persistent requests (after the last step)."""

@@ -101,10 +101,14 @@ class PipelineRank:
         self.expert_reducer = BucketedAllreduce(
             expert_dp_comm if expert_dp_comm is not None else dp_comm, backend, bucket_bytes
         )
+        self._unit_ends = {s: _unit_ends(self.grads[s], self.expert_grads[s]) for s in stages}
+        self._reducing = self.reducer.comm.size > 1 or self.expert_reducer.comm.size > 1
         self.has_moe = any(is_expert_param(k[1]) for v in self._views.values() for k in v)
         self.mailbox.overlap = not self.has_moe  # MoE all-to-alls block inside F and B
         self.peak_units_overall = 0  # over every step, in chunks (stages) x microbatches
         self.rec = recorder if recorder is not None else Recorder(rank, enabled=False)
+        # each stage's reduction timed from its start to its completion (for the trace)
+        self.reducer.clock = self.expert_reducer.clock = self.rec.now
         if self.rec.enabled:  # peers and sizes per action, so the hook only indexes
             self._peers = action_peers(schedule, rank, world_ranks(pp_comm)).tolist()
             nbytes = int(np.prod(self.act_shape)) * np.dtype(backend.dtype).itemsize
@@ -130,7 +134,6 @@ class PipelineRank:
         self._live_bytes = self._peak_bytes = 0
         self._live_units = self._peak_units = 0
         self._w_done = dict.fromkeys(self.stages, 0)
-        self._reduce_started: dict[int, tuple[int, int]] = {}
         self._loss_sum: Any = 0.0  # on the device until the end of the step (one copy)
         self._batch = (inputs, targets, loss_weight)
         self._m = self.schedule.num_microbatches
@@ -179,15 +182,25 @@ class PipelineRank:
         t0 = now()
         self._pos = len(self.actions)
         self.mailbox.drain()
+        t_drained = now()
         self._pos += 1
         self.reducer.wait()
         self.expert_reducer.wait()
         self._pos = -1
         t1 = now()
-        if rec.enabled:
-            rec.record(EventKind.WAIT, -1, -1, t0, t1)
-            for s, (t_start, nbytes) in self._reduce_started.items():
-                rec.record(EventKind.ALLREDUCE, s, -1, t_start, t1, nbytes)
+        if rec.enabled:  # the drain is a WAIT; the reductions' wait is the tail of their events
+            rec.record(EventKind.WAIT, -1, -1, t0, t_drained)
+            for reduction in (*self.reducer.reductions, *self.expert_reducer.reductions):
+                kind, s = reduction.key[0], int(reduction.key[1:])
+                rec.record(
+                    EventKind.ALLREDUCE,
+                    s,
+                    -1,
+                    reduction.start,
+                    reduction.done,
+                    reduction.nbytes,
+                    value=float(kind == "e"),
+                )
         self.peak_units_overall = max(self.peak_units_overall, self._peak_units)
         loss_sum = self._loss_sum  # a float unless this rank holds the last stage
         if not isinstance(loss_sum, float):
@@ -309,20 +322,28 @@ class PipelineRank:
 
     def _backward_weight(self, s: int, mb: int) -> None:
         wctx = self._wctx.pop((s, mb))
-        grads = self.stages[s].backward_weight(self.params[s], wctx)
         views = self._views[s]
-        for i, g in grads.items():
+        last = self._w_done[s] + 1 == self._m
+        # the stage's last W: each bucket starts reducing once its units are final, while the
+        # next units compute (as DDP does in the backward), the rest after the last unit
+        ends = self._unit_ends[s] if last and self._reducing else None
+        reducer, expert_reducer = self.reducer, self.expert_reducer
+        for i, g in self.stages[s].backward_weight_units(self.params[s], wctx):
             for k, v in g.items():
                 views[(i, k)] += v
+            if ends is not None:
+                dense_end, expert_end = ends[i]
+                reducer.start(self.grads[s], f"d{s}", dense_end)
+                if expert_end:
+                    expert_reducer.start(self.expert_grads[s], f"e{s}", expert_end)
+                if reducer.busy:
+                    reducer.progress()
         self._track(-Stage.activation_bytes(wctx), -1)
         self._w_done[s] += 1
-        if self._w_done[s] == self._m:  # the stage's last W: reduce while backward goes on
-            nbytes = int(self.grads[s].flat.nbytes + self.expert_grads[s].flat.nbytes)
-            if self.reducer.comm.size > 1 or self.expert_reducer.comm.size > 1:
-                self._reduce_started[s] = (self.rec.now(), nbytes)
-            self.reducer.start(self.grads[s], key=f"d{s}")
+        if last:
+            reducer.start(self.grads[s], key=f"d{s}")
             if self.expert_grads[s].flat.size:
-                self.expert_reducer.start(self.expert_grads[s], key=f"e{s}")
+                expert_reducer.start(self.expert_grads[s], key=f"e{s}")
 
     def _track(self, dbytes: int, dunits: int) -> None:
         self._live_bytes += dbytes
@@ -352,3 +373,24 @@ class PipelineRank:
         expert = [xp.sum(b.flat.astype(xp.float64) ** 2) for b in self.expert_grads.values()]
         values = self.backend.scalars([*dense, *expert])
         return float(sum(values[: len(dense)])), float(sum(values[len(dense) :]))
+
+
+def _unit_ends(dense: FlatBuffer, expert: FlatBuffer) -> dict[int, tuple[int, int]]:
+    """Per unit, in the order W computes them (ascending): the element below which each
+    gradient buffer is final once that unit's W has run, i.e. the longest prefix of the
+    buffer that holds only units done by then (whatever order the buffer lays them out in)."""
+    units = sorted({i for i, _ in (*dense.offsets, *expert.offsets)})
+    ends: dict[int, tuple[int, int]] = {}
+    for n, i in enumerate(units):
+        done = set(units[: n + 1])
+        ends[i] = (_final_prefix(dense, done), _final_prefix(expert, done))
+    return ends
+
+
+def _final_prefix(buffer: FlatBuffer, done: set[int]) -> int:
+    end = 0
+    for (unit, _), (lo, hi) in sorted(buffer.offsets.items(), key=lambda kv: kv[1]):
+        if unit not in done or lo != end:
+            break
+        end = hi
+    return end

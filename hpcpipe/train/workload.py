@@ -191,11 +191,11 @@ class Trainer:
             path = save(self.ctx, done, self.params, self.opt_state, self.history)
         if self.rec.enabled:
             self.rec.record(EventKind.CHECKPOINT, -1, -1, t0, self.rec.now())
-            self._write_trace()  # so a run that dies later keeps its trace up to here
+            self.write_trace()  # so a run that dies later keeps its trace up to here
         self.ctx.log(f"checkpoint: {path}")
         return path
 
-    def _write_trace(self) -> Path:
+    def write_trace(self) -> Path:
         """Collective: the whole trace so far to trace.h5 (rewritten at each call)."""
         path = self.cfg.trace.resolve_path(self.ctx.output)
         meta = {
@@ -355,7 +355,7 @@ class Trainer:
         ctx, cfg = self.ctx, self.cfg
         self.flush_figures()
         if self.rec.enabled:
-            path = self._write_trace()
+            path = self.write_trace()
             ctx.log(
                 f"trace: {path} ({len(self.rec.events)} events on rank 0); "
                 f"hpcpipe trace summary {path}"

@@ -186,6 +186,44 @@ def test_async_allreduce_overlap_and_exposed_comm(tmp_path):
     recv_wait = _recv_waits(sim)[0][0]
     assert s.comm_ns[0] == recv_wait + 1500
     assert s.overlap_ns[0] == 1000
+    # the reductions: in flight 1500 ns, 1000 of them during rank 0's own last action (the
+    # step's last work), 500 after it: they lengthened the step by 500 ns
+    assert (s.reduce_ns[0], s.reduce_behind_compute_ns[0], s.reduce_exposed_ns[0]) == (
+        1500,
+        1000,
+        500,
+    )
+    assert s.reduce_hidden == pytest.approx(1 - 500 / 1500)
+
+
+def test_reductions_hidden_in_a_bubble_do_not_lengthen_the_step(tmp_path):
+    """Rank 1 reduces while it idles and rank 0 still computes: hidden, though not behind rank
+    1's own compute; rank 0 reduces after the step's last action: all of it exposed."""
+    sched = one_f_one_b(2, 2)
+    sim = simulate(sched, UNIFORM)
+    events = timeline_events(sim, steps=2)
+    for step in (0, 1):
+        own = [e[(e["step"] == step) & (e["kind"] != K.STEP)] for e in events]
+        end0, end1 = (int(o["t_end"].max()) for o in own)
+        assert end1 + 300 < end0  # rank 1 finishes first in 1F1B
+        rows = [
+            (0, (end0, end0 + 700)),  # after everything: exposed
+            (1, (end1, end1 + 300)),  # in rank 1's cooldown bubble: hidden
+        ]
+        for rank, (t0, t1) in rows:
+            extra = np.array(
+                [(t0, t1, 64, 0.0, step, rank, -1, -1, int(K.ALLREDUCE))], dtype=EVENT_DTYPE
+            )
+            events[rank] = np.concatenate([events[rank], extra])
+    path, _ = write_synthetic(tmp_path / "h.h5", sched, UNIFORM, events=events, steps=2)
+    s = summarize(read_trace(path))
+    assert s.reduce_ns.tolist() == [1400, 600]
+    assert s.reduce_exposed_ns.tolist() == [1400, 0]
+    assert s.reduce_behind_compute_ns.tolist() == [0, 0]
+    assert s.reduce_hidden == pytest.approx(600 / 2000)
+    text = format_summary(s)
+    assert "30.0% hidden" in text and "exposed 350 ns per step (worst rank 0: 700 ns)" in text
+    assert s.as_dict()["reduce_hidden"] == pytest.approx(0.3)
 
 
 def test_unmatched_messages_are_counted(tmp_path):

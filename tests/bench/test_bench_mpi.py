@@ -140,6 +140,24 @@ def test_ckpt(mpirun, tmp_path):
     assert not list(tmp_path.glob("hpcpipe_bench_ckpt_*")), "scratch files left behind"
 
 
+def test_overlap_pp2_dp2(mpirun, tmp_path):
+    args = ["overlap", TINY, "--schedules", "1f1b,zb-v,dualpipe-v", "--repeats", "2"]
+    data = _bench(mpirun, tmp_path, 4, args)
+    rows = {r["schedule"]: r for r in data["rows"]}
+    assert list(rows) == ["1f1b", "zb-v", "dualpipe-v"]
+    assert (data["params"]["pp"], data["params"]["dp"]) == (2, 2)
+    for row in rows.values():
+        _positive([row], "reduce_ms", "step_ms")
+        assert 0 <= row["hidden_pct"] <= 100 and 0 <= row["behind_compute_pct"] <= 100
+        assert 0 <= row["exposed_ms"] <= row["reduce_ms"]
+    assert 0 <= data["summary"]["min_hidden"] <= data["summary"]["median_hidden"] <= 1
+
+
+def test_overlap_needs_replicas(mpirun):
+    r = mpirun(2, ["bench", "overlap", TINY, "--pp", "2"], timeout=120)
+    assert r.returncode == 2 and "at least 2 replicas" in r.stderr, r.output
+
+
 def test_memory_matches_the_activation_model(mpirun, tmp_path):
     args = ["memory", TINY, "--schedules", "1f1b,zb-v", "--steps", "2"]
     data = _bench(mpirun, tmp_path, 2, args)

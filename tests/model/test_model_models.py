@@ -203,3 +203,33 @@ def test_init_params_identical_across_partitions() -> None:
                 np.testing.assert_array_equal(part[i][k], full[i][k])
     # identical blocks at different global indices get different weights
     assert not np.array_equal(full[1]["mlp.fc.w"], full[2]["mlp.fc.w"])
+
+
+def test_weight_gradients_unit_by_unit_in_buffer_order() -> None:
+    """W unit by unit gives W's gradients in the order the gradient buffers lay the units out,
+    so a bucket wholly below a finished unit's end holds only final gradients."""
+    from hpcpipe.mpi.collectives import FlatBuffer
+    from hpcpipe.train.pipeline import _unit_ends
+
+    units = build_model(GPT)
+    stage = Stage(units, range(1, len(units)))
+    params = stage.init(0, np, "float64")
+    x, t = batch(GPT, rows=2, seed=1)
+    first = Stage(units, range(0, 1))
+    h, _ = first.forward(first.init(0, np, "float64"), x)
+    _, ctx = stage.forward(params, h, t)
+    _, wctx = stage.backward_input(params, ctx, 1.0)
+    each = list(stage.backward_weight_units(params, wctx))
+    assert [i for i, _ in each] == list(params) == list(stage.indices)
+    whole = stage.backward_weight(params, wctx)
+    for i, g in each:
+        for k, v in g.items():
+            np.testing.assert_array_equal(v, whole[i][k])
+    shapes = {(i, k): v.shape for i, p in params.items() for k, v in p.items()}
+    dense = FlatBuffer.like(np, shapes, np.float64)
+    ends = _unit_ends(dense, FlatBuffer.like(np, {}, np.float64))
+    for i in stage.indices:  # everything below a unit's end belongs to it or an earlier unit
+        below = [key for key, (lo, hi) in dense.offsets.items() if hi <= ends[i][0]]
+        assert below and all(j <= i for j, _ in below)
+        assert ends[i][1] == 0
+    assert ends[stage.indices[-1]][0] == dense.flat.size

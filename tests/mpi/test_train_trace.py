@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hpcpipe.analysis import match_messages
-from hpcpipe.io.trace import read_trace
+from hpcpipe.io.trace import EventKind, read_trace
 
 pytestmark = pytest.mark.mpi
 
@@ -49,10 +50,27 @@ def test_trace_of_real_run(mpirun, cli, tmp_path, schedule, dp):
     messages = match_messages(trace)
     assert messages.unmatched_sends == 0 and messages.unmatched_recvs == 0
     assert len(messages) > 0
+    # each stage's gradient reduction: one event per step from its last W to its completion
+    for w in range(4):
+        ev = trace.events[w]
+        red = ev[ev["kind"] == EventKind.ALLREDUCE]
+        stages = trace.schedule.stages_of_rank[trace.pipeline_rank(w)]
+        assert red.size == (len(stages) * len(trace.steps) if dp > 1 else 0), w
+        for step in trace.steps:
+            mine = ev[ev["step"] == step]
+            for row in red[red["step"] == step]:
+                w = mine[
+                    np.isin(mine["kind"], [EventKind.W, EventKind.BW])
+                    & (mine["stage"] == row["stage"])
+                ]
+                last = w[np.argmax(w["t_start"])]  # started at the end of its stage's last W
+                assert last["t_start"] <= row["t_start"] <= last["t_end"] <= row["t_end"]
+                assert row["bytes"] > 0
 
     s = cli(["trace", "summary", str(tmp_path / "trace.h5")])
     assert s.returncode == 0, s.output
     assert "pipeline bubble: measured" in s.stdout and "0 unmatched sends" in s.stdout
+    assert ("gradient reductions: in flight" in s.stdout) == (dp > 1), s.stdout
     e = cli(["trace", "export", str(tmp_path / "trace.h5"), "--chrome", str(tmp_path / "t.json")])
     assert e.returncode == 0, e.output
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
