@@ -21,6 +21,9 @@ Definitions (times on the aligned clock, one step at a time, then summed over re
   in flight over all ranks. `reduce_behind_compute` is the part during the rank's own compute.
   A pipeline sees a reduction complete between actions, so its end (and the hidden share) is
   late by at most the action during which it completed.
+- memory: a rank's peak is the largest `bytes` of its STEP events (what the runtime held
+  between actions, measured on its arrays); the prediction, when the run recorded its memory
+  model (attribute `memory`), is that of the rank's pipeline rank.
 - stragglers: a rank whose busy time exceeds the median rank's by more than the threshold (it
   holds the most work), or whose `slowdown` does: its F/B/W/BW time over the median time of the
   same actions in the same step on every rank that ran them (data-parallel replicas), which
@@ -127,6 +130,8 @@ class Summary:
     experts: dict[str, Any] | None
     clock_error_ns: int
     events: int
+    rank_peak_bytes: np.ndarray  # per rank: the largest STEP `bytes` (memory held) over steps
+    predicted_peak_bytes: np.ndarray | None  # per rank, the run's memory model (if recorded)
 
     @property
     def bubble(self) -> float | None:
@@ -220,6 +225,12 @@ class Summary:
             },
             "experts": self.experts,
             "clock_error": self.clock_error_ns * ns,
+            "memory": {
+                "peak_bytes": [int(x) for x in self.rank_peak_bytes],
+                "predicted_peak_bytes": None
+                if self.predicted_peak_bytes is None
+                else [float(x) for x in self.predicted_peak_bytes],
+            },
         }
 
     def to_json(self) -> str:
@@ -497,6 +508,18 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
         if med_t > 0 and s.time_ns > med_t * (1 + threshold)
     )
     clock_err = max((int(c["rtt_ns"].max()) // 2 for c in trace.clock if c.size), default=0)
+    rank_peak = np.zeros(p, dtype=np.int64)
+    for r in range(p):
+        for step in chosen:
+            ev = trace.step_events(r, step)
+            marks = ev["bytes"][ev["kind"] == K.STEP]
+            if marks.size:
+                rank_peak[r] = max(rank_peak[r], int(marks.max()))
+    predicted = None
+    model = trace.memory
+    if model and model.get("predicted_peak_bytes"):
+        per_pp = model["predicted_peak_bytes"]
+        predicted = np.array([float(per_pp[trace.pipeline_rank(r)]) for r in range(p)])
     return Summary(
         path=str(trace.path),
         num_ranks=p,
@@ -525,6 +548,8 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
         experts=_experts(trace),
         clock_error_ns=clock_err,
         events=int(sum(len(e) for e in trace.events)),
+        rank_peak_bytes=rank_peak,
+        predicted_peak_bytes=predicted,
     )
 
 
@@ -625,6 +650,14 @@ def format_summary(s: Summary, max_rows: int = 32) -> str:
             f"behind the rank's own compute; exposed "
             f"{fmt_time(s.reduce_exposed_ns.mean() / n_steps)} per step (worst rank {worst}: "
             f"{fmt_time(s.reduce_exposed_ns[worst] / n_steps)})"
+        )
+    if s.predicted_peak_bytes is not None and s.rank_peak_bytes.any():
+        ratio = s.rank_peak_bytes / np.maximum(s.predicted_peak_bytes, 1.0)
+        top, worst = int(np.argmax(s.rank_peak_bytes)), int(np.argmax(np.abs(ratio - 1.0)))
+        lines.append(
+            f"memory held between actions: peak {s.rank_peak_bytes[top] / 2**20:.3f} MiB on "
+            f"rank {top}, predicted {s.predicted_peak_bytes[top] / 2**20:.3f} MiB; measured / "
+            f"predicted {ratio.min():.3f}-{ratio.max():.3f} over ranks (furthest: rank {worst})"
         )
     lines.append(f"prediction: {s.prediction_note}")
     if pred:

@@ -1,14 +1,17 @@
-"""Peak memory per schedule and rank: resident set size and live activations vs the model.
+"""Peak memory per schedule and rank: bytes the runtime held, RSS, and the memory model.
 
-For each schedule the deck's model trains `--steps` steps on the real runtime. Before each
-schedule the heap is given back to the OS (`malloc_trim`) and the kernel's peak-RSS mark is
-reset (`/proc/self/clear_refs`), so "growth" is what building and running that schedule's
-trainer added to the resident set. The model of that growth is the static state (parameters,
-their gradient buffers, optimizer slots) plus the peak live activations; the activation model
-is the simulator's memory model in bytes, with each stage's F keeping what one microbatch's
-forward saves (`ctx`) and B turning it into what W still needs (`wctx`), both measured on one
-microbatch of that stage. What growth exceeds the model by is transient working memory of
-F/B/W (matmul results, softmax buffers) and allocator slack, which no schedule model counts.
+For each schedule the deck's model trains `--steps` steps on the real runtime. `act` is the
+peak of what the pipeline held between actions, measured on its arrays (`LiveArrays`: saved
+contexts, messages waiting for their consumer or their send, the receive buffers, the step's
+batch), and its model the simulator's memory model in bytes: each stage's F keeps what one
+microbatch's forward saved (`ctx`), B turns it into what W still needs (`wctx`), both as the
+run's first microbatch of that stage kept them, in the schedule's order, plus the message
+plan's receive buffers and the batch. Before each schedule the heap is given back to the OS
+(`malloc_trim`) and the kernel's peak-RSS mark is reset (`/proc/self/clear_refs`), so
+"growth" is what building and running that schedule's trainer added to the resident set; its
+model is the static state (parameters, gradient buffers, optimizer slots) plus the modelled
+`act`. What growth exceeds that by is working memory inside F/B/W (matmul results, softmax
+buffers) and allocator slack, which no schedule model counts.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hpcpipe.bench.model import activation_peaks
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.bench.training import (
     StepClock,
@@ -34,9 +36,8 @@ from hpcpipe.bench.training import (
     schedule_names,
 )
 from hpcpipe.config import ConfigError
-from hpcpipe.model.layers import activation_bytes
-from hpcpipe.model.models import boundary_shape
 from hpcpipe.schedules import CostModel, simulate
+from hpcpipe.schedules.memory import activation_peaks
 
 __all__ = ["run"]
 
@@ -50,6 +51,7 @@ COLUMNS = [
     Column("growth_ratio", "growth/model", ".2f", 12),
     Column("act_mib", "act MiB", ".2f", 7),
     Column("act_model_mib", "model act MiB", ".2f", 7),
+    Column("act_ratio", "act/model", ".3f", 9),
     Column("act_mb", "act mb", ".2f", 6),
     Column("act_model_mb", "model mb", ".2f", 8),
 ]
@@ -86,30 +88,6 @@ def _static_bytes(trainer: Any) -> int:
     return _nbytes(trainer.params) + int(grads) + slots
 
 
-def _stage_bytes(trainer: Any) -> dict[int, tuple[int, int]]:
-    """(ctx, wctx) bytes of one microbatch's F and B on each of this rank's stages."""
-    ctx_run, cfg = trainer.ctx, trainer.cfg
-    xp, dtype = ctx_run.xp, ctx_run.backend.dtype
-    rows = trainer.rows_mb
-    x, t = trainer.dataset.shard(0, 0, ctx_run.rankmap.dp)
-    tokens, targets = xp.asarray(x[:rows]), xp.asarray(t[:rows])
-    shape = boundary_shape(cfg.model, rows)
-    rng = np.random.default_rng(0)
-    weight = rows / cfg.data.global_batch
-    out = {}
-    for s, stage in trainer.runner.stages.items():
-        params = trainer.params[s]
-        x_in = tokens if stage.is_first else xp.asarray(rng.standard_normal(shape), dtype=dtype)
-        _, saved = stage.forward(
-            params, x_in, targets if stage.is_last else None, loss_weight=weight
-        )
-        dy = weight if stage.is_last else xp.asarray(rng.standard_normal(shape), dtype=dtype)
-        a = activation_bytes(saved)
-        _, wsaved = stage.backward_input(params, saved, dy)
-        out[s] = (a, activation_bytes(wsaved))
-    return out
-
-
 def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
 
     if not sys.platform.startswith("linux"):
@@ -125,8 +103,10 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             + f", {args.steps} steps per schedule",
             "growth = peak RSS - RSS before the schedule's trainer was built; model = "
             "parameters + gradients + optimizer slots + model activations",
-            "act = peak live activation bytes the runtime tracked (model: the simulator's "
-            "memory model with per-stage F/B bytes); mb = in microbatches of a full stage",
+            "act = peak bytes the pipeline held between actions, measured on its arrays "
+            "(contexts, messages, receive buffers, batch); model act = the simulator's memory "
+            "model with per-stage F/B bytes plus the receive buffers and batch; mb = live "
+            "microbatches of a full stage, counted and planned",
         ],
         COLUMNS,
         params={
@@ -170,13 +150,29 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             "static": _static_bytes(trainer),
             "act": max(r.peak_live_bytes for r in log.results),
             "units": trainer.runner.peak_units_overall / chunks,
-            "stages": _stage_bytes(trainer),
+            "stages": {k: tuple(v) for k, v in trainer.runner.stage_bytes.items()},
+            "buffers": trainer.runner.input_bytes,
         }
         parts = comm.gather(mine, root=0)
         if parts is not None:
             _rows(report, name, trainer.schedule, parts)
         ctx.comms.free()
         del trainer, log, built, ctx
+    rows = [r for r in report.rows if "act_ratio" in r]
+    if rows:
+        ratios = np.array([r["act_ratio"] for r in rows])
+        worst = rows[int(np.argmax(np.abs(ratios - 1.0)))]
+        report.summary |= {
+            "max_act_ratio": float(ratios.max()),
+            "min_act_ratio": float(ratios.min()),
+        }
+        report.target(
+            "held bytes measured / predicted, every schedule and rank",
+            "within 10%",
+            f"{ratios.min():.3f}-{ratios.max():.3f}",
+            bool(np.all(np.abs(ratios - 1.0) <= 0.10)),
+            f"furthest {worst['schedule']} rank {worst['rank']}",
+        )
     return report
 
 
@@ -192,7 +188,8 @@ def _rows(report: Report, name: str, schedule: Any, parts: list[dict[str, Any]])
     units = simulate(schedule, CostModel(activation=1.0 / chunks)).peak_memory
     for part in sorted(parts, key=lambda p: p["rank"]):
         r = part["rank"]
-        model = part["static"] + act[r]
+        held = act[r] + part["buffers"]  # what the runtime holds between actions, modelled
+        model = part["static"] + held
         report.add(
             {
                 "schedule": name,
@@ -202,7 +199,8 @@ def _rows(report: Report, name: str, schedule: Any, parts: list[dict[str, Any]])
                 "model_mib": model / MIB,
                 "growth_ratio": part["growth"] / model if model else float("nan"),
                 "act_mib": part["act"] / MIB,
-                "act_model_mib": act[r] / MIB,
+                "act_model_mib": held / MIB,
+                "act_ratio": part["act"] / held if held else float("nan"),
                 "act_mb": part["units"],
                 "act_model_mb": float(units[r]),
                 "static_mib": part["static"] / MIB,

@@ -3,9 +3,7 @@
 `step_figures` compares one measured step with the simulation under the costs it measured
 (`hpcpipe.schedules.replay.measured_costs`), and with `replay_in_order`, the same costs executed
 in the lowered schedule's own order, SENDs and RECVs included (equal to the simulation since
-the lowering waits for each message at its consumer); `activation_peaks` is the
-simulator's memory model in bytes with each stage's own B release (the simulator's `b_frees`
-is one share for all stages, while the stages of a real model free different amounts at B).
+the lowering waits for each message at its consumer).
 """
 
 from __future__ import annotations
@@ -14,10 +12,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from hpcpipe.schedules import CostModel, Kind, Schedule, simulate
+from hpcpipe.schedules import CostModel, Schedule, simulate
 from hpcpipe.schedules.replay import COMPUTE, measured_costs, replay_in_order
 
-__all__ = ["COMPUTE", "activation_peaks", "step_figures"]
+__all__ = ["COMPUTE", "step_figures"]
 
 RECV = ("RECV_F", "RECV_B")
 SEND = ("SEND_F", "SEND_B")
@@ -85,28 +83,3 @@ def step_figures(
             "bubble_plan": planned.bubble_fraction,
         }
     return out
-
-
-def activation_peaks(
-    schedule: Schedule, ctx_bytes: Sequence[float], wctx_bytes: Sequence[float]
-) -> np.ndarray:
-    """Peak live activation bytes per rank when F of stage s keeps `ctx_bytes[s]` alive, B
-    turns that into `wctx_bytes[s]` (what W still needs) and W frees it; a fused BW is a B
-    then a W, so it peaks at `wctx` when W needs more than F saved (the output gradient).
-
-    The order of a rank's actions, not their timing, sets its peak; the order is the one the
-    simulator executes.
-    """
-    sim = simulate(schedule, CostModel())
-    ctx = np.asarray(ctx_bytes, dtype=np.float64)[sim.stage]
-    wctx = np.asarray(wctx_bytes, dtype=np.float64)[sim.stage]
-    f, b, w = (sim.kind == k for k in (Kind.F, Kind.B, Kind.W))
-    first = np.select([f, b, w], [ctx, wctx - ctx, -wctx], wctx - ctx)  # BW: its B half
-    second = np.where(sim.kind == Kind.BW, -wctx, 0.0)  # BW: its W half
-    delta = np.stack([first, second], axis=1)
-    peaks = np.zeros(schedule.num_ranks)
-    for r in range(schedule.num_ranks):
-        lo, hi = int(sim.offsets[r]), int(sim.offsets[r + 1])
-        if hi > lo:
-            peaks[r] = max(0.0, float(np.cumsum(delta[lo:hi].ravel()).max()))
-    return peaks

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,11 @@ class SleepStage:
     def backward_weight(self, params: Any, wctx: Any) -> dict[int, dict[str, np.ndarray]]:
         _pause(self.t_w)
         return self._grads
+
+    def backward_weight_units(
+        self, params: Any, wctx: Any
+    ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        yield from self.backward_weight(params, wctx).items()
 
 
 def _plan(config: Any, schedule: Schedule, unit: float) -> CostModel:

@@ -567,6 +567,17 @@ class Trace:
         except ValueError as exc:
             raise TraceFormatError(self.path, f"attribute 'schedule' is damaged: {exc}") from None
 
+    @cached_property
+    def memory(self) -> dict[str, Any] | None:
+        """The run's memory report (`predicted_peak_bytes` per pipeline rank, ...), if any."""
+        text = self.attrs.get("memory")
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise TraceFormatError(self.path, f"attribute 'memory' is not JSON: {exc}") from None
+
     def pipeline_rank(self, rank: int) -> int:
         """The schedule's rank (pp coordinate) that world rank `rank` executed."""
         topo = self.topology

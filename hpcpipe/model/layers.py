@@ -52,23 +52,29 @@ def array_module(a: Array) -> Any:
 
 def activation_bytes(tree: Any) -> int:
     """Bytes of memory kept alive by a ctx/wctx tree, each underlying buffer counted once."""
-    seen: dict[int, int] = {}
+    return sum(int(b.nbytes) for b in buffers(tree).values())
 
-    def visit(node: Any) -> None:
+
+def buffers(tree: Any) -> dict[int, Any]:
+    """The arrays that own the memory a ctx/wctx tree keeps alive (views resolved to their
+    base), by id: what a byte count must count once however many views point into it.
+
+    A loop, not a recursive closure: a closure that calls itself is a reference cycle, and
+    the arrays it collected would then live until the cyclic garbage collector runs."""
+    seen: dict[int, Any] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
         if isinstance(node, dict):
-            for v in node.values():
-                visit(v)
+            stack.extend(node.values())
         elif isinstance(node, list | tuple):
-            for v in node:
-                visit(v)
+            stack.extend(node)
         elif hasattr(node, "nbytes") and hasattr(node, "shape"):
             base = node
             while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes"):
                 base = base.base
-            seen[id(base)] = int(base.nbytes)
-
-    visit(tree)
-    return sum(seen.values())
+            seen[id(base)] = base
+    return seen
 
 
 class Module(ABC):

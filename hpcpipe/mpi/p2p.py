@@ -139,6 +139,13 @@ class Mailbox:
             slot.freed = self.backend.record_event()
         return slot
 
+    def receive_buffers(self) -> list[Any]:
+        """The arrays messages arrive in, allocated once for the run (host or direct device
+        buffers; staged receives land in pinned staging memory, then in a new device array)."""
+        return [
+            slot.array for slots in self._slots.values() for slot in slots if slot.array is not None
+        ]
+
     def post_recv(self, i: int) -> None:
         """Start the step's receive number `i` (`plan.receives[i]`) into its planned buffer."""
         slot = self._order[i]

@@ -26,6 +26,7 @@ from hpcpipe.mpi.collectives import BucketedAllreduce, FlatBuffer
 from hpcpipe.mpi.p2p import Mailbox
 from hpcpipe.schedules.ir import Action, Kind, Schedule
 from hpcpipe.schedules.messages import plan_messages
+from hpcpipe.train.memory import LiveArrays
 
 __all__ = ["PipelineRank", "StepResult"]
 
@@ -37,7 +38,7 @@ class StepResult:
     loss_sum: float  # sum over this rank's last-stage microbatches of weight * loss
     compute_time: float
     step_time: float
-    peak_live_bytes: int
+    peak_live_bytes: int  # arrays held between actions (`LiveArrays`), receive buffers included
     peak_live_units: float  # microbatches of one full stage (a chunk of v counts 1/v)
     action_times: dict[tuple[str, int], float] = field(default_factory=dict)
     """Total seconds per (action kind name, stage) in this step."""
@@ -106,6 +107,14 @@ class PipelineRank:
         self.has_moe = any(is_expert_param(k[1]) for v in self._views.values() for k in v)
         self.mailbox.overlap = not self.has_moe  # MoE all-to-alls block inside F and B
         self.peak_units_overall = 0  # over every step, in chunks (stages) x microbatches
+        self.memory = LiveArrays()  # bytes held between actions, measured on the arrays
+        self._run_long = set(self.memory.hold("receive buffers", self.mailbox.receive_buffers()))
+        self.input_bytes = self.memory.live
+        """Receive buffers and the step's batch (the most over steps): held, not activations."""
+        self._shared: set[int] = set(self._run_long)  # ids no context is charged for
+        self.stage_bytes = {s: [0, 0] for s in stages}
+        """Per stage: the most one microbatch's context and W context added (memory model)."""
+        self.peak_bytes_overall = 0
         self.rec = recorder if recorder is not None else Recorder(rank, enabled=False)
         # each stage's reduction timed from its start to its completion (for the trace)
         self.reducer.clock = self.expert_reducer.clock = self.rec.now
@@ -131,7 +140,11 @@ class PipelineRank:
         self._dgrad_out: dict[tuple[int, int], Any] = {}  # (stage, mb) -> dL/d(input)
         self._ctx: dict[tuple[int, int], Any] = {}
         self._wctx: dict[tuple[int, int], Any] = {}
-        self._live_bytes = self._peak_bytes = 0
+        memory = self.memory
+        batch = memory.hold("batch", (inputs, targets))  # slices of it feed the end stages
+        self._shared = self._run_long | set(batch)
+        self.input_bytes = max(self.input_bytes, memory.live)
+        memory.reset_peak()
         self._live_units = self._peak_units = 0
         self._w_done = dict.fromkeys(self.stages, 0)
         self._loss_sum: Any = 0.0  # on the device until the end of the step (one copy)
@@ -202,6 +215,7 @@ class PipelineRank:
                     value=float(kind == "e"),
                 )
         self.peak_units_overall = max(self.peak_units_overall, self._peak_units)
+        self.peak_bytes_overall = max(self.peak_bytes_overall, self.memory.peak)
         loss_sum = self._loss_sum  # a float unless this rank holds the last stage
         if not isinstance(loss_sum, float):
             loss_sum = self.backend.scalars([loss_sum])[0]
@@ -209,7 +223,7 @@ class PipelineRank:
             loss_sum,
             compute * 1e-9,
             (t1 - t_step) * 1e-9,
-            self._peak_bytes,
+            self.memory.peak,
             self._peak_units / self.chunks_per_rank,
             times,
         )
@@ -272,15 +286,19 @@ class PipelineRank:
             self._backward_weight(s, mb)
         elif kind == Kind.SEND_F:
             self.mailbox.send(self._outputs.pop(key), self._n_sent)
+            self.memory.drop(("out", s, mb))
             self._n_sent += 1
         elif kind == Kind.SEND_B:
             self.mailbox.send(self._dgrad_out.pop(key), self._n_sent)
+            self.memory.drop(("gout", s, mb))
             self._n_sent += 1
         elif kind == Kind.RECV_F:
-            self._inputs[key] = self.mailbox.wait_recv(self._n_received)
+            self._inputs[key] = x = self.mailbox.wait_recv(self._n_received)
+            self.memory.hold(("in", s, mb), x)
             self._n_received += 1
         elif kind == Kind.RECV_B:
-            self._dgrad_in[key] = self.mailbox.wait_recv(self._n_received)
+            self._dgrad_in[key] = dy = self.mailbox.wait_recv(self._n_received)
+            self.memory.hold(("gin", s, mb), dy)
             self._n_received += 1
         else:
             raise ValueError(f"unknown action kind {kind!r}")
@@ -296,29 +314,38 @@ class PipelineRank:
         if self.has_moe:
             self.moe_stats.extend(stage.aux_stats(ctx).values())
         self._ctx[(s, mb)] = ctx
-        self._track(+Stage.activation_bytes(ctx), +1)
+        memory = self.memory
+        memory.drop(("in", s, mb))  # the context keeps what it needs of it
+        self._calibrate(s, 0, memory.hold(("ctx", s, mb), ctx))
+        self._track(+1)
         if stage.is_last:
             loss = self.xp.asarray(y, dtype=self.xp.float64)  # stays on the device
             self._loss_sum = self._loss_sum + loss * self._batch[2]
         elif self.rank_of_stage[s + 1] == self.rank:
             self._inputs[(s + 1, mb)] = y  # next stage is on this rank (V turn): no message
+            memory.hold(("in", s + 1, mb), y)
         else:
             self._outputs[(s, mb)] = y
+            memory.hold(("out", s, mb), y)
 
     def _backward_input(self, s: int, mb: int) -> None:
         stage = self.stages[s]
         dy = self._batch[2] if stage.is_last else self._dgrad_in.pop((s, mb))
         ctx = self._ctx.pop((s, mb))
-        before = Stage.activation_bytes(ctx)
         dx, wctx = stage.backward_input(self.params[s], ctx, dy)
         self._wctx[(s, mb)] = wctx
-        self._track(Stage.activation_bytes(wctx) - before, 0)
+        memory = self.memory
+        memory.drop(("ctx", s, mb))
+        memory.drop(("gin", s, mb))  # what W needs of it stays in its context
+        self._calibrate(s, 1, memory.hold(("wctx", s, mb), wctx))
         if dx is None:
             return
         if self.rank_of_stage[s - 1] == self.rank:
             self._dgrad_in[(s - 1, mb)] = dx
+            memory.hold(("gin", s - 1, mb), dx)
         else:
             self._dgrad_out[(s, mb)] = dx
+            memory.hold(("gout", s, mb), dx)
 
     def _backward_weight(self, s: int, mb: int) -> None:
         wctx = self._wctx.pop((s, mb))
@@ -338,18 +365,26 @@ class PipelineRank:
                     expert_reducer.start(self.expert_grads[s], f"e{s}", expert_end)
                 if reducer.busy:
                     reducer.progress()
-        self._track(-Stage.activation_bytes(wctx), -1)
+        self.memory.drop(("wctx", s, mb))
+        self._track(-1)
         self._w_done[s] += 1
         if last:
             reducer.start(self.grads[s], key=f"d{s}")
             if self.expert_grads[s].flat.size:
                 expert_reducer.start(self.expert_grads[s], key=f"e{s}")
 
-    def _track(self, dbytes: int, dunits: int) -> None:
-        self._live_bytes += dbytes
+    def _track(self, dunits: int) -> None:
         self._live_units += dunits
-        self._peak_bytes = max(self._peak_bytes, self._live_bytes)
         self._peak_units = max(self._peak_units, self._live_units)
+
+    def _calibrate(self, s: int, which: int, held: dict[int, Any]) -> None:
+        """Bytes one microbatch's context (0) or W context (1) of stage `s` adds beyond the
+        receive buffers and the batch: the per-stage sizes of the memory model."""
+        shared = self._shared
+        n = sum(int(a.nbytes) for i, a in held.items() if i not in shared)
+        sizes = self.stage_bytes[s]
+        if n > sizes[which]:
+            sizes[which] = n
 
     # ------------------------------------------------------------------ results
 

@@ -195,8 +195,9 @@ class Trainer:
         self.ctx.log(f"checkpoint: {path}")
         return path
 
-    def write_trace(self) -> Path:
-        """Collective: the whole trace so far to trace.h5 (rewritten at each call)."""
+    def write_trace(self, memory: dict[str, Any] | None = None) -> Path:
+        """Collective: the whole trace so far to trace.h5 (rewritten at each call); `memory`:
+        the end-of-run memory report (rank 0's), for `hpcpipe trace summary`."""
         path = self.cfg.trace.resolve_path(self.ctx.output)
         meta = {
             "config": self.cfg,
@@ -204,6 +205,8 @@ class Trainer:
             "schedule": self.lowered,
             "workload": "train",
         }
+        if memory is not None:
+            meta["memory"] = memory
         write_trace(self.ctx.comms.world, path, self.rec, meta)
         return path
 
@@ -354,13 +357,13 @@ class Trainer:
         """Trace, memory and timing reports, metrics file, parameters, verification."""
         ctx, cfg = self.ctx, self.cfg
         self.flush_figures()
+        memory = _report_activation_memory(ctx, self.schedule, self.runner)
         if self.rec.enabled:
-            path = self.write_trace()
+            path = self.write_trace(memory)
             ctx.log(
                 f"trace: {path} ({len(self.rec.events)} events on rank 0); "
                 f"hpcpipe trace summary {path}"
             )
-        _report_activation_memory(ctx, self.schedule, self.runner)
         step_times = self.history.get("step_time", [])
         timing = _report_timing(
             ctx, self.schedule, self.action_log, self.pipe_times, step_times[1:] or step_times
@@ -373,7 +376,7 @@ class Trainer:
             else None
         )
         if ctx.rank == 0:
-            _write_metrics(ctx.output / "metrics.h5", self.history, cfg, timing)
+            _write_metrics(ctx.output / "metrics.h5", self.history, cfg, timing, memory)
             if cfg.train.save_params:
                 _write_params(ctx.output / "params.h5", final)
         if cfg.train.verify and complete and ctx.changed:
@@ -475,26 +478,59 @@ def _report_non_finite(
     )
 
 
-def _report_activation_memory(ctx: RunContext, schedule, runner: PipelineRank) -> None:
-    """Peak live microbatches per pipeline rank, counted over the actions the runtime ran,
-    next to the plan's count. Not a memory measurement (both count the same kind of thing):
-    a difference means the runtime ran another order than the plan, a runtime bug."""
+def _report_activation_memory(ctx: RunContext, schedule, runner: PipelineRank) -> dict | None:
+    """Peak bytes each pipeline rank held between actions, measured on its arrays, next to
+    the memory model's prediction: the schedule's order (`activation_peaks`) with each stage's
+    bytes per microbatch as this run's first microbatch of it kept them, plus the message
+    plan's receive buffers and the step's batch. Also the live-microbatch count against the
+    plan's: a difference there means the runtime ran another order than the plan, a bug."""
     from hpcpipe.schedules import CostModel, simulate
+    from hpcpipe.schedules.memory import activation_peaks
 
     coords = ctx.rankmap.coords(ctx.rank)
     chunks = len(schedule.stages_of_rank[coords["pp"]])
-    measured = runner.peak_units_overall / chunks
-    per_rank = ctx.comms.group("pp").allgather(measured)
+    mine = (
+        runner.peak_units_overall / chunks,
+        runner.peak_bytes_overall,
+        runner.input_bytes,
+        {s: tuple(b) for s, b in runner.stage_bytes.items()},
+    )
+    parts = ctx.comms.group("pp").allgather(mine)
     if ctx.rank != 0:
-        return
-    predicted = simulate(schedule, CostModel(activation=1.0 / chunks)).peak_memory
-    ok = np.allclose(per_rank, predicted, rtol=0, atol=1e-9)
+        return None
+    counted = [p[0] for p in parts]
+    planned = simulate(schedule, CostModel(activation=1.0 / chunks)).peak_memory
+    ok = np.allclose(counted, planned, rtol=0, atol=1e-9)
     fmt = ", ".join
     ctx.log(
         f"activations: peak live microbatches per pipeline rank counted "
-        f"[{fmt(f'{x:g}' for x in per_rank)}], planned [{fmt(f'{x:g}' for x in predicted)}]"
+        f"[{fmt(f'{x:g}' for x in counted)}], planned [{fmt(f'{x:g}' for x in planned)}]"
         f"{'' if ok else ': DIFFERENT (the runtime did not run the plan order)'}"
     )
+    sizes: dict[int, tuple[int, int]] = {}
+    for p in parts:
+        sizes.update(p[3])
+    n = schedule.num_stages
+    model = activation_peaks(
+        schedule, [sizes[s][0] for s in range(n)], [sizes[s][1] for s in range(n)]
+    )
+    measured = np.array([p[1] for p in parts], dtype=np.float64)
+    predicted = model + np.array([p[2] for p in parts], dtype=np.float64)
+    ratio = measured / np.maximum(predicted, 1.0)
+    mib = 2.0**20
+    ctx.log(
+        f"memory: peak bytes held between actions per pipeline rank (contexts, messages, "
+        f"receive buffers, batch) measured [{fmt(f'{x / mib:.3f}' for x in measured)}] MiB, "
+        f"predicted [{fmt(f'{x / mib:.3f}' for x in predicted)}] MiB, measured/predicted "
+        f"max {ratio.max():.3f}; per stage and microbatch F keeps "
+        f"[{fmt(f'{sizes[s][0] / mib:.3f}' for s in range(n))}] MiB, B "
+        f"[{fmt(f'{sizes[s][1] / mib:.3f}' for s in range(n))}]"
+    )
+    return {
+        "measured_peak_bytes": measured.tolist(),
+        "predicted_peak_bytes": predicted.tolist(),
+        "stage_bytes": [list(sizes[s]) for s in range(n)],
+    }
 
 
 def _report_timing(
@@ -599,7 +635,11 @@ def _gather_params(
 
 
 def _write_metrics(
-    path: Path, history: dict[str, list[float]], cfg, timing: dict[str, Any] | None = None
+    path: Path,
+    history: dict[str, list[float]],
+    cfg,
+    timing: dict[str, Any] | None = None,
+    memory: dict[str, Any] | None = None,
 ) -> None:
     import h5py
 
@@ -611,6 +651,8 @@ def _write_metrics(
         f.create_dataset("step", data=np.arange(1, len(history["loss"]) + 1))
         for key, value in (timing or {}).items():
             f.attrs[f"timing_{key}"] = value
+        for key, value in (memory or {}).items():
+            f.attrs[f"memory_{key}"] = np.asarray(value)
         for key, values in history.items():
             f.create_dataset(key, data=np.asarray(values))
     tmp.replace(path)

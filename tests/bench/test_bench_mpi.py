@@ -168,6 +168,10 @@ def test_memory_matches_the_activation_model(mpirun, tmp_path):
         ("zb-v", 1),
     ]
     _positive(data["rows"], "peak_rss_mib", "model_mib", "act_mib", "act_mb")
-    for row in data["rows"]:  # the runtime's tracked peak is the memory model's, exactly
-        assert row["act_mib"] == pytest.approx(row["act_model_mib"], rel=1e-12)
-        assert row["act_mb"] == row["act_model_mb"]
+    for row in data["rows"]:
+        # bytes held between actions, measured on the arrays, against the model in bytes: the
+        # outputs waiting for their send (one activation at a time) are all the model leaves out
+        assert row["act_model_mib"] <= row["act_mib"] * (1 + 1e-9), row
+        assert row["act_ratio"] == pytest.approx(1.0, abs=0.10), row
+        assert row["act_mb"] == row["act_model_mb"]  # the runtime ran the plan's order
+    assert data["targets"][0]["met"] is True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 from conftest import ROOT, clean_environ
 
 from hpcpipe.bench import BENCHMARKS, Column, Report, benchmark
-from hpcpipe.bench.model import activation_peaks, step_figures
+from hpcpipe.bench.model import step_figures
 from hpcpipe.bench.sizes import met_from, parse_bytes, size_range
 from hpcpipe.bench.table import read_report
 from hpcpipe.config import ConfigError
@@ -155,28 +154,6 @@ def test_measured_costs_per_stage_and_fused_backward():
     c = measured_costs(schedule, times)
     assert np.allclose(c.t_f, [1.0, 2.0]) and np.allclose(c.t_bw, [1.5, 2.5])
     assert np.allclose(np.asarray(c.t_b) + np.asarray(c.t_w), [1.5, 2.5])
-
-
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "interleaved-1f1b"])
-def test_activation_peaks_agree_with_the_simulator(name):
-    schedule = build_schedule(name, 4, 8)
-    n = schedule.num_stages
-    held = activation_peaks(schedule, [1.0] * n, [1.0] * n)
-    assert np.allclose(held, simulate(schedule, CostModel(activation=1.0)).peak_memory)
-    freed = activation_peaks(schedule, [1.0] * n, [0.0] * n)
-    assert np.allclose(freed, simulate(schedule, CostModel(b_frees=1.0)).peak_memory)
-    sizes = np.arange(1.0, n + 1.0)
-    scaled = activation_peaks(schedule, sizes, 0.25 * sizes)
-    assert np.all(scaled <= activation_peaks(schedule, sizes, sizes) + 1e-12)
-    assert all(math.isfinite(x) and x > 0 for x in scaled)
-
-
-def test_fused_backward_peaks_between_its_b_and_w_halves():
-    # 1F1B on 2 ranks, m=4: rank 0 runs F0 F1 BW0 ...; inside BW0 the B half turns F0's 1.0
-    # into W's 1.5 (W also needs the output gradient) while F1's 1.0 is still alive
-    schedule = build_schedule("1f1b", 2, 4)
-    peaks = activation_peaks(schedule, [1.0, 1.0], [1.5, 1.5])
-    assert peaks.tolist() == [2.5, 1.5]
 
 
 def test_measured_costs_average_over_the_actions_a_schedule_runs():

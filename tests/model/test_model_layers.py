@@ -199,3 +199,26 @@ def test_embedding_gradient_without_scatter_add() -> None:
         _scatter_add_rows(bare, 5, idx, vals), _scatter_add_rows(np, 5, idx, vals)
     )
     assert _scatter_add_rows(np, 5, idx, vals)[3].tolist() == [6.0, 8.0]
+
+
+def test_buffers_resolves_views_and_keeps_nothing_alive():
+    """`buffers` counts a base once for all its views, and drops its references on return:
+    with the cyclic collector off, the arrays die with the tree (a recursive closure would
+    have kept them until a collection, growing the resident set step after step)."""
+    import gc
+    import weakref
+
+    from hpcpipe.model.layers import activation_bytes, buffers
+
+    base = np.ones((4, 8))
+    tree = {"a": base[1:], "b": [base.T, (np.zeros(3), base)], "c": None}
+    found = buffers(tree)
+    assert set(found) == {id(base), id(tree["b"][1][0])}
+    assert activation_bytes(tree) == base.nbytes + 3 * 8
+    alive = weakref.ref(base)
+    gc.disable()
+    try:
+        del found, tree, base
+        assert alive() is None
+    finally:
+        gc.enable()
