@@ -32,7 +32,7 @@ from mpi4py import MPI
 from hpcpipe.backend import Backend
 from hpcpipe.schedules.messages import BACKWARD, FORWARD, MessagePlan
 
-__all__ = ["BACKWARD", "FORWARD", "Mailbox"]
+__all__ = ["BACKWARD", "FORWARD", "Mailbox", "TagLimitError"]
 
 _BYTE = MPI.BYTE
 
@@ -66,6 +66,10 @@ class _SendSlot:
         self.started = True
 
 
+class TagLimitError(ValueError):
+    """The pipeline's channel tags (2 x stages) exceed the MPI library's MPI_TAG_UB."""
+
+
 class Mailbox:
     """Sends and planned persistent receives of one rank on the pipeline communicator."""
 
@@ -96,9 +100,9 @@ class Mailbox:
         tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
         top = max([*plan.slots, *plan.send_slots], default=0)
         if top > tag_ub:
-            raise ValueError(
-                f"pipeline channel tag {top} exceeds this MPI's MPI_TAG_UB = {tag_ub}: "
-                "too many stages for per-channel tags"
+            raise TagLimitError(
+                f"the pipeline's messages need tags up to {top} (two channels per stage) but "
+                f"this MPI allows {tag_ub} (MPI_TAG_UB)"
             )
         self._host = not backend.on_gpu
         self._staged = backend.staged

@@ -23,6 +23,7 @@ from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.model.models import boundary_shape, build_model, partition
 from hpcpipe.model.stage import Stage
 from hpcpipe.mpi.collectives import allreduce
+from hpcpipe.mpi.p2p import TagLimitError
 from hpcpipe.runtime import RunContext
 from hpcpipe.schedules.ir import Schedule
 from hpcpipe.topology import format_ranks
@@ -138,21 +139,29 @@ class Trainer:
             self.rec.align_clock(ctx.comms.world)
         if self.group is not None:
             self.group.recorder = self.rec
-        self.runner = PipelineRank(
-            self.lowered,
-            self.coords["pp"],
-            stages,
-            self.params,
-            pp_comm=ctx.comms.group("pp"),
-            dp_comm=ctx.comms.group("dp"),
-            backend=ctx.backend,
-            act_shape=boundary_shape(cfg.model, self.rows_mb),
-            recv_lookahead=cfg.train.recv_lookahead,
-            bucket_bytes=int(cfg.train.bucket_mb * 2**20),
-            world_rank=ctx.rank,
-            recorder=self.rec,
-            expert_dp_comm=ctx.comms.expert_dp,
-        )
+        try:
+            self.runner = PipelineRank(
+                self.lowered,
+                self.coords["pp"],
+                stages,
+                self.params,
+                pp_comm=ctx.comms.group("pp"),
+                dp_comm=ctx.comms.group("dp"),
+                backend=ctx.backend,
+                act_shape=boundary_shape(cfg.model, self.rows_mb),
+                recv_lookahead=cfg.train.recv_lookahead,
+                bucket_bytes=int(cfg.train.bucket_mb * 2**20),
+                world_rank=ctx.rank,
+                recorder=self.rec,
+                expert_dp_comm=ctx.comms.expert_dp,
+            )
+        except TagLimitError as exc:  # every rank alike: the same stages everywhere
+            raise ConfigError(
+                cfg.source,
+                "topology.pp",
+                f"{self.schedule.num_stages} pipeline stages: {exc}; use fewer stages "
+                "(topology.pp, pipeline.virtual_stages)",
+            ) from None
         self.needs_data = any(stages[s].is_first or stages[s].is_last for s in self.mine)
         self.history: dict[str, list[float]] = {}
         self._pending: list[tuple] = []  # steps whose figures are not reduced yet

@@ -30,7 +30,7 @@ import fake_mpi
 import h5py
 import numpy as np
 import pytest
-from conftest import mpiexec_command
+from conftest import clean_environ, mpiexec_command
 from mpi4py import MPI
 
 import hpcpipe.backend as backend_module
@@ -349,7 +349,7 @@ def test_sweep_kernel_masked_fixup_equals_the_host_fixup_without_host_copies():
 
 def driver(ranks: int, what: str, timeout: float = 240) -> list[dict]:
     cmd = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(HERE / "fake_driver.py"), what]
-    env = {**os.environ, **ENV}
+    env = {**clean_environ(), **ENV}
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
@@ -462,7 +462,12 @@ def test_p2p_benchmark_device_mode_measures_staged_and_says_why_not_direct(tmp_p
     for aware in ("auto", "on"):
         cmd = [*mpiexec_command(), "-n", "2", sys.executable, str(script), aware]
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **ENV}, cwd=ROOT
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**clean_environ(), **ENV},
+            cwd=ROOT,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         report = json.loads(proc.stdout.splitlines()[-1])
@@ -474,3 +479,22 @@ def test_p2p_benchmark_device_mode_measures_staged_and_says_why_not_direct(tmp_p
         else:
             assert all(r["direct_gbps"] is None for r in rows)
             assert "direct path not measured" in report["notes"][-1]
+
+
+def test_too_many_stages_for_the_tag_bound_is_a_clear_error(monkeypatch):
+    """Channel tags are 2 x stage (+1): an MPI whose MPI_TAG_UB is below them is refused when
+    the mailbox is built (the trainer turns it into exit 2 naming topology.pp)."""
+    import hpcpipe.mpi.p2p as p2p
+
+    class World:
+        @staticmethod
+        def Get_attr(key):  # mpi4py's name
+            return 1
+
+    class ShimMPI:
+        def __getattr__(self, name):
+            return World if name == "COMM_WORLD" else getattr(MPI, name)
+
+    monkeypatch.setattr(p2p, "MPI", ShimMPI())
+    with pytest.raises(p2p.TagLimitError, match=r"tags up to 2 .* allows 1 \(MPI_TAG_UB\)"):
+        self_mailbox(make_backend("cpu", "float64", 0))

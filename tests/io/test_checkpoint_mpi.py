@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 from ckpt_driver import EXPERTS, global_tensors
-from conftest import mpiexec_command
+from conftest import clean_environ, mpiexec_command
 
 from hpcpipe.io.checkpoint import (
     ShardSpec,
@@ -30,11 +30,10 @@ DRIVER = Path(__file__).resolve().parent / "ckpt_driver.py"
 
 def driver(n: int, *args: str, env: dict | None = None, timeout: float = 120):
     """`mpiexec -n N python ckpt_driver.py ARGS`: (return code, JSON records, all output)."""
-    import os
 
     cmd = [*mpiexec_command(), "-n", str(n), sys.executable, str(DRIVER), *args]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        cmd, capture_output=True, text=True, timeout=timeout, env={**clean_environ(), **(env or {})}
     )
     records = []
     for line in proc.stdout.splitlines():
