@@ -195,6 +195,13 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="table of every pipeline schedule for the deck's p, m and costs",
     )
+    p.add_argument(
+        "--csv",
+        default=None,
+        metavar="FILE",
+        help="write the schedule the deck resolves to (the search's choice for 'auto') as CSV, "
+        "to inspect, edit and run with pipeline.schedule = 'csv'",
+    )
     p.add_argument("--show-config", action="store_true", help="print the resolved deck too")
     # schedule search (issue 14): the makespan vs peak-memory front
     p.add_argument(
@@ -225,7 +232,11 @@ def _execute_plan(args: argparse.Namespace) -> int:
     if args.show_config:
         print(dump_toml(config))
     if config.run.workload == "sweep":
-        for flag, used in (("--compare", args.compare), ("--pareto", args.pareto)):
+        for flag, used in (
+            ("--compare", args.compare),
+            ("--pareto", args.pareto),
+            ("--csv", args.csv),
+        ):
             if used or (flag == "--pareto" and args.pareto_png):
                 raise ConfigError(
                     flag, "", "compares pipeline schedules; a sweep deck has none (drop the flag)"
@@ -238,8 +249,10 @@ def _execute_plan(args: argparse.Namespace) -> int:
         print(f"WARNING: {problem}")
     pipeline = config.sections.get("pipeline")
     pareto = args.pareto or args.pareto_png is not None  # schedule search (issue 14)
+    if args.csv and pipeline is None:
+        raise ConfigError("--csv", "", "writes the pipeline schedule; this deck has no [pipeline]")
     if pipeline is not None and (
-        config.run.workload == "train" or args.png or args.compare or pareto
+        config.run.workload == "train" or args.png or args.compare or pareto or args.csv
     ):
         from hpcpipe.schedules.report import plan_report
 
@@ -252,6 +265,7 @@ def _execute_plan(args: argparse.Namespace) -> int:
                 compare=args.compare,
                 pareto=pareto,
                 pareto_png=args.pareto_png,
+                csv=args.csv,
                 source=config.source,
             )
         )

@@ -35,3 +35,42 @@ def test_help_lists_commands(cli):
     r = cli(["--help"])
     assert r.returncode == 0
     assert "run" in r.stdout and "plan" in r.stdout
+
+
+def test_plan_exports_the_resolved_schedule_and_reads_it_back(cli, tmp_path):
+    """`plan --csv` writes what the deck resolves to (the search's pick for 'auto'); the file
+    runs as schedule = 'csv' and plans to the same timeline and figures."""
+    from conftest import INPUTS
+
+    from hpcpipe.schedules import read_csv
+
+    text = (INPUTS / "train_auto.toml").read_text()
+    assert "memory_budget" in text
+    out = tmp_path / "auto.csv"
+    first = cli(["plan", str(INPUTS / "train_auto.toml"), "--csv", str(out)])
+    assert first.returncode == 0, first.output
+    assert f"schedule written to {out}" in first.stdout
+    assert "without pipeline.memory_budget" in first.stdout
+    sched = read_csv(out)
+    assert sched.name == "auto" and sched.num_microbatches == 8
+    # the same deck without the search's budget, running the exported file
+    deck = tmp_path / "from_csv.toml"
+    deck.write_text("\n".join(ln for ln in text.splitlines() if "memory_budget" not in ln))
+    sets = ["--set", "pipeline.schedule=csv", "--set", f"pipeline.schedule_csv={out}"]
+    again = cli(["plan", str(deck), *sets])
+    assert again.returncode == 0, again.output
+
+    def timeline(stdout: str) -> list[str]:
+        """The grid rows and the predicted figures."""
+        return [
+            ln
+            for ln in stdout.splitlines()
+            if ("|" in ln and ln.startswith("    ")) or ln.startswith("predicted makespan")
+        ]
+
+    assert timeline(first.stdout) and timeline(again.stdout) == timeline(first.stdout)
+    bad = cli(["plan", str(deck), "--csv", str(tmp_path / "no" / "such" / "x.csv")])
+    assert bad.returncode == 2 and "--csv" in bad.stderr and "cannot write" in bad.stderr
+    assert not list(tmp_path.rglob(".*.tmp"))
+    sweep = cli(["plan", str(INPUTS / "sweep_tiny.toml"), "--csv", str(tmp_path / "s.csv")])
+    assert sweep.returncode == 2 and "a sweep deck has none" in sweep.stderr

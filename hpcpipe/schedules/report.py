@@ -5,12 +5,13 @@ makespan vs peak-memory front of the schedule search next to every fixed schedul
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 from hpcpipe.config import ConfigError
 from hpcpipe.schedules.config import PipelineConfig, cost_model, costs_for
 from hpcpipe.schedules.errors import ScheduleError
-from hpcpipe.schedules.ir import Schedule, read_csv
+from hpcpipe.schedules.ir import Schedule, read_csv, to_csv
 from hpcpipe.schedules.plot import ascii_timeline, plot_pareto, plot_timeline
 from hpcpipe.schedules.registry import PUBLISHED, SCHEDULE_NAMES, build_schedule
 from hpcpipe.schedules.search import BudgetError, Found, fixed_points, pareto_front, search
@@ -261,12 +262,15 @@ def plan_report(
     compare: bool = False,
     pareto: bool = False,
     pareto_png: str | None = None,
+    csv: str | None = None,
     source: str = _SOURCE,
 ) -> str:
     """What `hpcpipe plan DECK` prints: the schedule as a rank x time grid, its predicted
     makespan, bubble and peak memory per rank; `png` also writes a timeline picture,
     `compare` appends a table of every schedule for the same p, m and costs, and `pareto`
-    (or `pareto_png`, which also draws it) the schedule search's makespan vs memory front."""
+    (or `pareto_png`, which also draws it) the schedule search's makespan vs memory front;
+    `csv` writes the schedule the deck resolves to (the search's choice for 'auto'), which
+    `schedule = 'csv'` reads back."""
     sched = load_schedule(cfg, pp, source)
     result = _run(cfg, sched, pp, source)
     parts = [
@@ -280,9 +284,29 @@ def plan_report(
         parts.insert(1, _search_line(cfg, sched))
     if png:
         parts.append(f"timeline written to {plot_timeline(result, png)}")
+    if csv:
+        budget = cfg.memory_budget is not None  # read only by 'auto'
+        parts.append(
+            f"schedule written to {_write_csv(sched, csv)}; run it as written (or edited) with "
+            f"pipeline.schedule = 'csv' and pipeline.schedule_csv = '{csv}'"
+            + (" (and without pipeline.memory_budget, which only 'auto' reads)" if budget else "")
+        )
     if compare:
         parts.append(_compare(cfg, pp, sched))
     if pareto or pareto_png:
         chosen = result if cfg.schedule == "auto" else None
         parts.append(_pareto(cfg, pp, pareto_png, source, chosen))
     return "\n\n".join(parts)
+
+
+def _write_csv(sched: Schedule, path: str) -> Path:
+    """The schedule's CSV form, written whole or not at all (a temporary file renamed)."""
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(to_csv(sched), encoding="utf-8")
+        tmp.replace(out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError("--csv", "", f"cannot write {path}: {exc.strerror or exc}") from None
+    return out
