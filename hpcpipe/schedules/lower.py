@@ -45,38 +45,69 @@ def lower_table(table: ComputeTable) -> Schedule:
 
 
 def lower_with_times(table: ComputeTable) -> tuple[Schedule, np.ndarray]:
-    """`lower_table`, also returning each compute action's end in the unit-time run that
-    ordered the actions (the validator's proof of deadlock freedom reuses it).
+    """`lower_table`, also returning each compute action's end in a unit-time run of the
+    compute order (the validator's proof of deadlock freedom reuses it; the run also finds a
+    dependency cycle).
 
-    The run executes one action per rank and round; an action whose input comes from another
-    rank is preceded by its RECV, one whose result goes to another rank followed by its SEND.
+    Every rank keeps its compute order; an action whose input comes from another rank gets
+    its RECV right before it, one whose result goes to another rank its SEND right after it.
+    Those positions follow from the order alone, so they are computed at once for every
+    action; only the unit-time run goes round by round.
     """
     sched = table.schedule
     n, p = table.n, sched.num_ranks
     out_rank = _outgoing(table)
     sends = out_rank >= 0
+    del out_rank
     recvs = table.cross
-    per_rank = (
-        np.diff(table.offsets)
-        + np.bincount(table.rank[sends], minlength=p)
-        + np.bincount(table.rank[recvs], minlength=p)
-    )
-    offsets = np.zeros(p + 1, dtype=np.int64)
-    np.cumsum(per_rank, out=offsets[1:])
-    total = int(offsets[-1])
+    # lowered position of each compute action: its index within its rank, plus the RECVs up
+    # to and including it and the SENDs before it on that rank
+    extra = recvs.astype(np.int64)
+    extra += sends
+    np.cumsum(extra, out=extra)
+    starts = table.offsets[:-1]
+    before = np.concatenate(([0], extra))[starts]  # RECVs + SENDs of the earlier ranks
+    extra -= np.repeat(before, np.diff(table.offsets))
+    extra -= sends  # a SEND comes after its own action
+    slot = np.arange(n, dtype=np.int64)
+    slot += extra  # global compute index + own rank's comm before = lowered position
+    del extra
+    slot += np.repeat(before, np.diff(table.offsets))  # earlier ranks' comm actions
+    total = n + int(np.count_nonzero(sends)) + int(np.count_nonzero(recvs))
     kinds = np.empty(total, dtype=np.int8)
     stages = np.empty(total, dtype=np.int32)
     mbs = np.empty(total, dtype=np.int32)
+    kinds[slot] = table.kind
+    stages[slot] = table.stage
+    mbs[slot] = table.mb
     forward = table.kind == Kind.F
-    send_kind = np.where(forward, Kind.SEND_F, Kind.SEND_B).astype(np.int8)
-    recv_kind = np.where(forward, Kind.RECV_F, Kind.RECV_B).astype(np.int8)  # of the consumer
-    del forward
+    at = slot[recvs] - 1  # RECV_F into an F, RECV_B into a B/BW: named by the consumer
+    kinds[at] = np.where(forward[recvs], Kind.RECV_F, Kind.RECV_B)
+    stages[at] = table.stage[recvs]
+    mbs[at] = table.mb[recvs]
+    at = slot[sends] + 1
+    kinds[at] = np.where(forward[sends], Kind.SEND_F, Kind.SEND_B)
+    stages[at] = table.stage[sends]
+    mbs[at] = table.mb[sends]
+    del slot, at, forward
+    counts = np.diff(table.offsets)
+    counts += np.bincount(table.rank[sends], minlength=p)
+    counts += np.bincount(table.rank[recvs], minlength=p)
+    offsets = np.zeros(p + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    for arr in (kinds, stages, mbs):
+        arr.flags.writeable = False
+    return sched.replace_actions(offsets, kinds, stages, mbs), _unit_time_run(table)
 
+
+def _unit_time_run(table: ComputeTable) -> np.ndarray:
+    """End of each compute action when each takes one unit and a rank runs its next action
+    as soon as its input exists (one action per rank and round); raises on a cycle."""
+    n = table.n
     never = np.iinfo(np.int64).max
-    done = np.full(n + 1, never, dtype=np.int64)  # unit-time end of each action
+    done = np.full(n + 1, never, dtype=np.int64)
     done[n] = 0
     dep = table.dep
-    cursor = offsets[:-1].copy()  # next free slot of each rank in the lowered arrays
     ptr = table.offsets[:-1].copy()
     stop = table.offsets[1:]
     act = np.flatnonzero(ptr < stop)
@@ -88,33 +119,11 @@ def lower_with_times(table: ComputeTable) -> tuple[Schedule, np.ndarray]:
         if not ok.all():
             if not ok.any():
                 raise cycle_error(table, a)
-            act_ok, a = act[ok], a[ok]
-        else:
-            act_ok = act
+            act, a = act[ok], a[ok]
         done[a] = now
-        ptr[act_ok] += 1
-        slot = cursor[act_ok]
-        r = recvs[a]
-        if r.any():  # the RECV right before the action that uses the message
-            at, got = slot[r], a[r]
-            kinds[at] = recv_kind[got]
-            stages[at] = table.stage[got]
-            mbs[at] = table.mb[got]
-            slot = slot + r
-        kinds[slot] = table.kind[a]
-        stages[slot] = table.stage[a]
-        mbs[slot] = table.mb[a]
-        s_ = sends[a]
-        if s_.any():  # the SEND right after the action that produces the message
-            at, prod = slot[s_] + 1, a[s_]
-            kinds[at] = send_kind[prod]
-            stages[at] = table.stage[prod]
-            mbs[at] = table.mb[prod]
-        cursor[act_ok] = slot + 1 + s_
-        act = act[ptr[act] < stop[act]]
-    for arr in (kinds, stages, mbs):
-        arr.flags.writeable = False
-    return sched.replace_actions(offsets, kinds, stages, mbs), done[:n]
+        ptr[act] += 1
+        act = np.flatnonzero(ptr < stop)
+    return done[:n]
 
 
 def lower(schedule: Schedule) -> Schedule:
