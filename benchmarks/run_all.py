@@ -21,6 +21,7 @@ FIGURES = (
     "moe_alltoall",
     "pipeline_step",
     "pipeline_synthetic",
+    "pipeline_pairs",
     "allreduce_overlap",
     "memory_peak",
     "sweep_grind",

@@ -140,6 +140,12 @@ def _pipeline(p: argparse.ArgumentParser) -> None:
         help="--synthetic: sleep between two tests of a message when polling (default 20)",
     )
     p.add_argument(
+        "--overlap-pairs",
+        action="store_true",
+        help="--synthetic: also run dualpipe-v as overlapped F&B pairs (row 'dualpipe-v F&B'); "
+        "give the deck's [pipeline] t_alltoall a share so there is communication to hide",
+    )
+    p.add_argument(
         "--wait",
         choices=("auto", "mpi", "poll"),
         default="auto",

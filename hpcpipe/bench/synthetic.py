@@ -34,9 +34,11 @@ from hpcpipe.bench.training import StepClock, bench_config, fine_timer_slack, sc
 from hpcpipe.config import ConfigError
 from hpcpipe.mpi.p2p import Mailbox
 from hpcpipe.schedules import CostModel, Schedule, ScheduleError, validate
+from hpcpipe.schedules._table import compute_table
 from hpcpipe.schedules.config import cost_model
-from hpcpipe.schedules.replay import action_counts
+from hpcpipe.schedules.replay import COMPUTE, action_counts
 from hpcpipe.schedules.report import load_schedule
+from hpcpipe.schedules.simulate import durations
 from hpcpipe.train.pipeline import PipelineRank
 
 __all__ = ["SleepStage", "run_synthetic"]
@@ -76,32 +78,67 @@ def _pause(seconds: float) -> None:
 
 
 class SleepStage:
-    """The `Stage` interface with sleeps for compute: F, B and W each take a fixed time."""
+    """The `Stage` interface with sleeps for compute: F, B and W each take a fixed time.
+
+    `comm` of F's and of B's time stands for communication inside them (the MoE all-to-alls
+    of `t_alltoall`): F computes, then communicates; B communicates, then computes. Run on
+    its own, each simply sleeps its whole time. In an overlapped pair (`begin_pair`) the
+    communication is "in the network": B's starts with the pair and F's when F's compute
+    ends, and each is waited for only when its result is needed (B's before B computes, F's
+    at the end of the pair), so it hides behind the other half's compute as the simulator's
+    pair cost says.
+    """
 
     def __init__(
-        self, stage: int, num_stages: int, times: tuple[float, float, float], act_elems: int
+        self,
+        stage: int,
+        num_stages: int,
+        times: tuple[float, float, float],
+        act_elems: int,
+        comm: float = 0.0,
     ):
         self.index = stage
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self.t_f, self.t_b, self.t_w = times
+        self.comm = comm
         self._out = np.zeros(act_elems, dtype=np.float32)  # sent on by F, back by B
         self._saved = np.zeros(act_elems, dtype=np.float32)  # stands for saved activations
         self._loss = np.zeros((), dtype=np.float32)
         self._grads = {stage: {"w": np.ones(1, dtype=np.float32)}}
+        self._pair: dict[str, float] | None = None  # deadlines of the pair's communication
 
     def init(self) -> dict[int, dict[str, np.ndarray]]:
         """Parameters: one number, so the runtime's gradient buffers stay trivial."""
         return {self.index: {"w": np.zeros(1, dtype=np.float32)}}
 
+    def begin_pair(self, backward: SleepStage) -> None:
+        """This stage's F and `backward`'s B (or BW) run next, overlapped."""
+        now = time.perf_counter()
+        shared = {"b_comm": now + backward.comm, "f_comm": now}
+        self._pair = backward._pair = shared
+
+    def end_pair(self, backward: SleepStage) -> None:
+        shared, self._pair, backward._pair = self._pair, None, None
+        if shared is not None:
+            _pause(shared["f_comm"] - time.perf_counter())
+
     def forward(
         self, params: Any, x: Any, targets: Any = None, *, loss_weight: float = 1.0
     ) -> tuple[np.ndarray, list[np.ndarray]]:
-        _pause(self.t_f)
+        _pause(self.t_f - self.comm)
+        if self._pair is None:
+            _pause(self.comm)
+        else:
+            self._pair["f_comm"] = time.perf_counter() + self.comm
         return (self._loss if self.is_last else self._out), [self._saved]
 
     def backward_input(self, params: Any, ctx: Any, dy: Any) -> tuple[np.ndarray | None, Any]:
-        _pause(self.t_b)
+        if self._pair is None:
+            _pause(self.comm)
+        else:
+            _pause(self._pair["b_comm"] - time.perf_counter())
+        _pause(self.t_b - self.comm)
         return (None if self.is_first else self._out), ctx
 
     def backward_weight(self, params: Any, wctx: Any) -> dict[int, dict[str, np.ndarray]]:
@@ -118,7 +155,12 @@ def _plan(config: Any, schedule: Schedule, unit: float) -> CostModel:
     """The deck's cost model for this schedule, in seconds; transfers free (tiny messages)."""
     costs = cost_model(config.pipeline, schedule.num_ranks, schedule.num_stages)
     arrays = costs.stage_arrays(schedule.num_stages)
-    return CostModel(t_f=arrays["t_f"] * unit, t_b=arrays["t_b"] * unit, t_w=arrays["t_w"] * unit)
+    return CostModel(
+        t_f=arrays["t_f"] * unit,
+        t_b=arrays["t_b"] * unit,
+        t_w=arrays["t_w"] * unit,
+        t_comm=arrays["t_comm"] * unit,
+    )
 
 
 def _runner(
@@ -132,6 +174,7 @@ def _runner(
             lowered.num_stages,
             (float(arrays["t_f"][s]), float(arrays["t_b"][s]), float(arrays["t_w"][s])),
             act_elems,
+            float(arrays["t_comm"][s]),
         )
         for s in mine
     }
@@ -168,17 +211,22 @@ def _polling(comm: MPI.Comm, wait: str) -> bool:
 def _late_us(
     lowered: Schedule, plan: CostModel, times: list[dict[tuple[str, int], float]]
 ) -> float:
-    """Mean overshoot of a compute action over its planned time (sleep wake-up latency)."""
-    arrays = plan.stage_arrays(lowered.num_stages)
-    key = {"F": "t_f", "B": "t_b", "W": "t_w", "BW": "t_bw"}
+    """Mean overshoot of a compute action over its planned time (sleep wake-up latency); a
+    pair's halves are planned at their overlapped durations."""
+    table = compute_table(lowered)
+    planned = durations(table, plan.stage_arrays(lowered.num_stages))
+    kind_names = np.array(COMPUTE)[table.kind]
+    plan_total: dict[tuple[str, int], float] = {}
+    rows = zip(kind_names.tolist(), table.stage.tolist(), planned.tolist(), strict=True)
+    for kind, stage, took in rows:
+        plan_total[(kind, stage)] = plan_total.get((kind, stage), 0.0) + took
     counts = action_counts(lowered)
     late, count = 0.0, 0
     for per_rank in times:
-        for (kind, s), total in per_rank.items():
-            if kind in key:
-                n = counts[(kind, s)]
-                late += total - n * float(arrays[key[kind]][s])
-                count += n
+        for key, total in per_rank.items():
+            if key in plan_total:
+                late += total - plan_total[key]
+                count += counts[key]
     return late / count * 1e6 if count else float("nan")
 
 
@@ -220,16 +268,25 @@ def run_synthetic(comm: MPI.Comm, args: argparse.Namespace) -> Report:
     )
     report.start()
     clock = StepClock(comm)
-    for name in names:
-        cfg = bench_config(args.deck, args.overrides, comm.size, f"pipeline.schedule={name}")
+    runs = [(name, name, ()) for name in names]
+    if args.overlap_pairs and "dualpipe-v" in names:  # the same order, run as F&B pairs
+        at = names.index("dualpipe-v") + 1
+        runs.insert(at, ("dualpipe-v", PAIRED, ("pipeline.overlap_pairs=true",)))
+    pair_comm: dict[str, float] = {}
+    for name, label, extra in runs:
+        cfg = bench_config(
+            args.deck, args.overrides, comm.size, f"pipeline.schedule={name}", *extra
+        )
         try:
             schedule = load_schedule(cfg.pipeline, comm.size, cfg.source)
             lowered = validate(schedule)
         except (ConfigError, ScheduleError) as exc:
-            report.add({"schedule": name, "skipped": str(exc).splitlines()[0]})
-            report.note(f"{name} skipped: {str(exc).splitlines()[0]}")
+            report.add({"schedule": label, "skipped": str(exc).splitlines()[0]})
+            report.note(f"{label} skipped: {str(exc).splitlines()[0]}")
             continue
         plan = _plan(cfg, schedule, unit)
+        if lowered.pairs.size:
+            pair_comm[label] = _pair_comm(lowered, plan)
         runner, pp = _runner(comm, lowered, plan, act_elems, args.poll_us * 1e-6 if poll else 0.0)
         m = lowered.num_microbatches
         record = []
@@ -252,9 +309,51 @@ def run_synthetic(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             )
             figures["late_us"] = _late_us(lowered, plan, times)
             steps.append(figures)
-        report.add(_row(name, steps))
+        report.add(_row(label, steps))
     _summarize(report, comm.size)
+    if PAIRED in pair_comm:
+        _summarize_pairs(report, pair_comm[PAIRED])
     return report
+
+
+PAIRED = "dualpipe-v F&B"
+"""The row of DualPipeV run as overlapped pairs (`--overlap-pairs`)."""
+
+
+def _pair_comm(lowered: Schedule, plan: CostModel) -> float:
+    """Seconds of communication inside paired actions on the rank with the most: what the
+    pairs can hide at best."""
+    comm = plan.stage_arrays(lowered.num_stages)["t_comm"]
+    per_rank = np.zeros(lowered.num_ranks)
+    rank = np.searchsorted(lowered.offsets, lowered.pairs, side="right") - 1
+    hidden = comm[lowered.stages[lowered.pairs]] + comm[lowered.stages[lowered.pairs + 1]]
+    np.add.at(per_rank, rank, hidden)
+    return float(per_rank.max())
+
+
+def _summarize_pairs(report: Report, comm_s: float) -> None:
+    """DualPipeV's order run as F&B pairs against the same order action by action."""
+    rows = {r["schedule"]: r for r in report.rows if "measured_ms" in r}
+    if "dualpipe-v" not in rows or PAIRED not in rows:
+        return
+    single, paired = rows["dualpipe-v"], rows[PAIRED]
+    saved = single["measured_ms"] - paired["measured_ms"]
+    planned = single["plan_ms"] - paired["plan_ms"]
+    comm_ms = comm_s * 1e3
+    report.summary |= {"pairs_saved_ms": saved, "pairs_planned_saving_ms": planned}
+    report.summary["pairs_comm_ms"] = comm_ms
+    report.note(
+        f"F&B pairs: DualPipeV {paired['measured_ms']:.1f} ms paired vs {single['measured_ms']:.1f}"
+        f" ms action by action, {saved:.1f} ms saved (plan: {planned:.1f} ms) of the "
+        f"{comm_ms:.1f} ms of communication inside the busiest rank's pairs"
+    )
+    report.target(
+        "F&B pairs save >= half the communication inside them",
+        f">= {comm_ms / 2:.1f} ms",
+        f"{saved:.1f} ms",
+        saved >= comm_ms / 2,
+        f"plan {planned:.1f} ms",
+    )
 
 
 def _row(name: str, steps: list[dict[str, float]]) -> dict[str, Any]:

@@ -44,6 +44,10 @@ class ComputeTable:
     b_at: np.ndarray  # ... of B or BW
     dep: np.ndarray
     cross: np.ndarray
+    pair_dep: np.ndarray | None = None
+    """With overlapped pairs: per action, a second dependency (`n`: none): an F half also
+    waits for its B half's input, since the two start together."""
+    pair_cross: np.ndarray | None = None  # that second input arrives from another rank
 
     @property
     def n(self) -> int:
@@ -141,6 +145,9 @@ def compute_table(schedule: Schedule) -> ComputeTable:
     late_f = is_b & (own_f > idx)
     if late.any() or late_f.any():
         _order_error(schedule, pos, kind, stage, mb, rank, dep, own_f, late, late_f)
+    pair_dep = pair_cross = None
+    if schedule.pairs.size:
+        pair_dep, pair_cross = _pair_deps(schedule, pos, stage, mb, dep, cross)
     return ComputeTable(
         schedule=schedule,
         pos=pos,
@@ -153,7 +160,42 @@ def compute_table(schedule: Schedule) -> ComputeTable:
         b_at=b_at,
         dep=dep,
         cross=cross,
+        pair_dep=pair_dep,
+        pair_cross=pair_cross,
     )
+
+
+def _pair_deps(
+    schedule: Schedule,
+    pos: np.ndarray,
+    stage: np.ndarray,
+    mb: np.ndarray,
+    dep: np.ndarray,
+    cross: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The F half of a pair starts with its B half, so it also waits for the B half's input;
+    the halves must not feed each other."""
+    n = int(dep.size)
+    pf = np.searchsorted(pos, schedule.pairs)  # both halves are compute actions (Schedule)
+    pb = pf + 1
+    own = (stage[pf] == stage[pb]) & (mb[pf] == mb[pb])
+    feeds = (dep[pb] == pf) | own
+    if feeds.any():
+        j = int(np.flatnonzero(feeds)[0])
+        a, b = int(pf[j]), int(pb[j])
+        half = _name(schedule.kinds[pos[b]], stage[b], mb[b])
+        raise ScheduleError(
+            f"pair {_name(Kind.F, stage[a], mb[a])}&{half}: the backward half needs the "
+            "forward half's result, but a pair's halves start together (pair a forward with "
+            "the backward of another microbatch)",
+            schedule,
+            [step_of(schedule, int(pos[a]))],
+        )
+    pair_dep = np.full(n, n, dtype=dep.dtype)
+    pair_dep[pf] = dep[pb]
+    pair_cross = np.zeros(n, dtype=bool)
+    pair_cross[pf] = cross[pb]
+    return pair_dep, pair_cross
 
 
 def _count_error(

@@ -44,6 +44,12 @@ class PipelineConfig:
     schedule_csv: str | None = option(
         None, "CSV schedule file (one row of actions per rank) used when schedule = 'csv'"
     )
+    overlap_pairs: bool = option(
+        False,
+        "run the overlapped F&B pairs of the schedules that define them (dualpipe-v) as "
+        "pairs: a pair starts once both halves' inputs are there, and each half's all-to-all "
+        "(t_alltoall) hides behind the other's compute; off, the same actions run one by one",
+    )
     t_f: tuple[float, ...] = option(
         (1.0,),
         "forward time per microbatch: one value per full stage, or per model piece",
@@ -98,6 +104,11 @@ class PipelineConfig:
             raise ValueError(
                 f"memory_budget: is only read when schedule = 'auto' (schedule = {self.schedule!r})"
             )
+        if self.overlap_pairs and self.schedule != "dualpipe-v":
+            raise ValueError(
+                "overlap_pairs: only dualpipe-v defines overlapped pairs (schedule = "
+                f"{self.schedule!r}; a CSV schedule writes its pairs as 'sFi&tBj' cells)"
+            )
         if self.virtual_stages is not None and self.schedule != "interleaved-1f1b":
             raise ValueError(
                 "virtual_stages: only interleaved-1f1b takes it "
@@ -138,6 +149,7 @@ def cost_model(cfg: PipelineConfig, pp: int, num_stages: int) -> CostModel:
     return CostModel(
         t_f=stage_shares(cfg.t_f, pp, num_stages) + a2a,
         t_b=stage_shares(cfg.t_b, pp, num_stages) + a2a,
+        t_comm=a2a,
         t_w=stage_shares(cfg.t_w, pp, num_stages),
         comm_latency=cfg.comm_latency,
         comm_bandwidth=cfg.comm_bandwidth,

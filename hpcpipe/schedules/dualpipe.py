@@ -3,10 +3,10 @@
 Rank r holds stages r and 2p-1-r. The order has eight phases: chunk-0 forwards; forward pairs;
 split backward of chunk 1 with its W at once; the main phase of (F chunk 0, BW chunk 1,
 F chunk 1, BW chunk 0); the drain of forwards; backward pairs where the second half switch to
-split backward; W + B pairs; and the owed Ws. DualPipe runs each (F, BW) pair of the main
-phase as one overlapped step so that one microbatch's all-to-all hides behind the other's
-compute; this representation keeps them as two actions in that order, and the simulator runs
-them one after the other (F&B = F + B). It needs m >= 2p.
+split backward; W + B pairs; and the owed Ws. Each F followed by a backward of the other
+chunk (the main phase's two per iteration, the drain's one) is an overlapped pair `F&B`:
+DualPipe runs them as one step so that one microbatch's communication hides behind the
+other's compute (the simulator's pair cost: `simulate.pair_durations`). It needs m >= 2p.
 """
 
 from __future__ import annotations
@@ -93,7 +93,17 @@ def dualpipe_v(p: int, m: int) -> Schedule:
             f"DualPipeV needs m >= 2p microbatches (got p={p}, m={m}): its main phase starts "
             "once every rank has both chunks in flight"
         )
-    per_rank = [_rank(r, p, m) for r in range(p)]
+    per_rank = [_paired(*_rank(r, p, m)) for r in range(p)]
     return Schedule.from_arrays(
         "dualpipe-v", v_placement(p), m, per_rank, params=(("p", p), ("m", m))
     )
+
+
+def _paired(kinds: np.ndarray, stages: np.ndarray, mbs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Mark DualPipe's overlapped chunks: each F directly followed by a backward of the rank's
+    other stage (the main phase's two pairs per iteration and the drain's one) runs with it."""
+    f = kinds[:-1] == Kind.F
+    back = (kinds[1:] == Kind.BW) | (kinds[1:] == Kind.B)
+    flags = np.zeros(kinds.size, dtype=bool)
+    flags[:-1] = f & back & (stages[:-1] != stages[1:])
+    return kinds, stages, mbs, flags

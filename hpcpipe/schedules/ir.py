@@ -10,6 +10,7 @@ be too slow and too big. `Schedule.actions` gives the per-rank tuples of `Action
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import re
@@ -117,6 +118,10 @@ class Schedule:
     stages: np.ndarray
     microbatches: np.ndarray
     params: tuple[tuple[str, Any], ...] = field(default=())
+    pairs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Positions of the F halves of overlapped pairs (`F&B`): the action right after each is
+    the B or BW it runs together with, the forward of one microbatch beside the backward of
+    another, each one's communication hidden behind the other's compute (see `pair_costs`)."""
 
     def __post_init__(self) -> None:
         placement = tuple(tuple(int(s) for s in row) for row in self.stages_of_rank)
@@ -152,6 +157,32 @@ class Schedule:
                 raise ValueError(f"action stage out of range 0..{len(flat) - 1}")
             if self.microbatches.min() < 0 or self.microbatches.max() >= self.num_microbatches:
                 raise ValueError(f"action microbatch out of range 0..{self.num_microbatches - 1}")
+        pairs = np.unique(np.asarray(self.pairs, dtype=np.int64))
+        pairs.flags.writeable = False
+        object.__setattr__(self, "pairs", pairs)
+        if pairs.size:
+            self._check_pairs()
+
+    def _check_pairs(self) -> None:
+        pairs = self.pairs
+        n = self.kinds.size
+        if pairs[0] < 0 or pairs[-1] + 1 >= n:
+            raise ValueError("a pair position lies outside the actions")
+        rank = np.searchsorted(self.offsets, pairs, side="right") - 1
+        ok = (
+            (self.kinds[pairs] == Kind.F)
+            & np.isin(self.kinds[pairs + 1], (Kind.B, Kind.BW))
+            & (pairs + 1 < self.offsets[rank + 1])
+        )
+        ok[1:] &= np.diff(pairs) > 1  # an action is in one pair at most
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            i, r = int(pairs[bad]), int(rank[bad])
+            got = " ".join(str(self._action_at(j)) for j in range(i, min(i + 2, n)))
+            raise ValueError(
+                f"rank {r}: a pair is an F followed by the B or BW of another microbatch or "
+                f"stage on the same rank, as 'sFi&tBj' (got {got!r})"
+            )
 
     # ------------------------------------------------------------ shape
 
@@ -183,6 +214,21 @@ class Schedule:
 
     def param(self, key: str, default: Any = None) -> Any:
         return dict(self.params).get(key, default)
+
+    def _action_at(self, i: int) -> Action:
+        return Action(int(self.stages[i]), Kind(int(self.kinds[i])), int(self.microbatches[i]))
+
+    def rank_pairs(self, rank: int) -> frozenset[int]:
+        """Positions within `rank_actions(rank)` of the F halves of its pairs."""
+        lo, hi = int(self.offsets[rank]), int(self.offsets[rank + 1])
+        mine = self.pairs[(self.pairs >= lo) & (self.pairs < hi)]
+        return frozenset(int(i) - lo for i in mine)
+
+    def unpaired(self) -> Schedule:
+        """The same actions in the same order, each run on its own (no overlapped pairs)."""
+        if not self.pairs.size:
+            return self
+        return dataclasses.replace(self, pairs=np.zeros(0, dtype=np.int64))
 
     # ------------------------------------------------------------ actions
 
@@ -230,15 +276,24 @@ class Schedule:
         mbs: list[int] = []
         offsets = [0]
         seen: list[list[int]] = []
+        pairs: list[int] = []
         for row in actions:
             row_stages: list[int] = []
             for item in row:
-                a = Action.parse(item) if isinstance(item, str) else item
-                kinds.append(int(a.kind))
-                stages.append(int(a.stage))
-                mbs.append(int(a.microbatch))
-                if a.stage not in row_stages:
-                    row_stages.append(int(a.stage))
+                if isinstance(item, str) and "&" in item:
+                    halves = item.split("&")
+                    if len(halves) != 2:
+                        raise ValueError(f"{item!r}: a pair joins exactly two actions, 'sFi&tBj'")
+                    pairs.append(len(kinds))
+                    parsed = [Action.parse(h) for h in halves]
+                else:
+                    parsed = [Action.parse(item) if isinstance(item, str) else item]
+                for a in parsed:
+                    kinds.append(int(a.kind))
+                    stages.append(int(a.stage))
+                    mbs.append(int(a.microbatch))
+                    if a.stage not in row_stages:
+                        row_stages.append(int(a.stage))
             offsets.append(len(kinds))
             seen.append(sorted(row_stages))
         if stages_of_rank is None:
@@ -254,6 +309,7 @@ class Schedule:
             stages=np.asarray(stages, dtype=np.int32),
             microbatches=np.asarray(mbs, dtype=np.int32),
             params=tuple(params),
+            pairs=np.asarray(pairs, dtype=np.int64),
         )
 
     @classmethod
@@ -262,11 +318,12 @@ class Schedule:
         name: str,
         stages_of_rank: Sequence[Sequence[int]],
         num_microbatches: int,
-        per_rank: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        per_rank: Sequence[tuple[np.ndarray, ...]],
         params: Iterable[tuple[str, Any]] = (),
     ) -> Schedule:
-        """Build from per-rank (kinds, stages, microbatches) arrays: what generators use."""
-        sizes = [len(k) for k, _, _ in per_rank]
+        """Build from per-rank (kinds, stages, microbatches) arrays: what generators use; a
+        fourth array of booleans, where given, marks the F halves of overlapped pairs."""
+        sizes = [len(t[0]) for t in per_rank]
         offsets = np.zeros(len(per_rank) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
 
@@ -283,12 +340,26 @@ class Schedule:
             stages=cat(1, np.int32),
             microbatches=cat(2, np.int32),
             params=tuple(params),
+            pairs=np.concatenate(
+                [
+                    np.flatnonzero(np.asarray(t[3], dtype=bool)) + offsets[r]
+                    for r, t in enumerate(per_rank)
+                    if len(t) > 3
+                ]
+                or [np.zeros(0, dtype=np.int64)]
+            ),
         )
 
     def replace_actions(
-        self, offsets: np.ndarray, kinds: np.ndarray, stages: np.ndarray, mbs: np.ndarray
+        self,
+        offsets: np.ndarray,
+        kinds: np.ndarray,
+        stages: np.ndarray,
+        mbs: np.ndarray,
+        pairs: np.ndarray | None = None,
     ) -> Schedule:
-        """Same placement, name and params, new action arrays (lowering, stripping)."""
+        """Same placement, name and params, new action arrays (lowering, stripping) and the
+        pairs' positions in them."""
         return Schedule(
             name=self.name,
             stages_of_rank=self.stages_of_rank,
@@ -298,6 +369,7 @@ class Schedule:
             stages=stages,
             microbatches=mbs,
             params=self.params,
+            pairs=np.zeros(0, dtype=np.int64) if pairs is None else pairs,
         )
 
     # ------------------------------------------------------------ equality and display
@@ -312,6 +384,7 @@ class Schedule:
             self.kinds.tobytes(),
             self.stages.tobytes(),
             self.microbatches.tobytes(),
+            self.pairs.tobytes(),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -329,6 +402,8 @@ class Schedule:
         digest = hashlib.sha256(repr((self.stages_of_rank, self.num_microbatches)).encode())
         for arr in (self.offsets, self.kinds, self.stages, self.microbatches):
             digest.update(np.ascontiguousarray(arr).tobytes())
+        if self.pairs.size:  # (unpaired schedules keep the digest they always had)
+            digest.update(b"pairs" + np.ascontiguousarray(self.pairs).tobytes())
         return digest.hexdigest()[:16]
 
     def __repr__(self) -> str:
@@ -337,6 +412,7 @@ class Schedule:
             f"Schedule({self.name!r}, ranks={self.num_ranks}, stages={self.num_stages}, "
             f"microbatches={self.num_microbatches}, actions={self.num_actions}"
             + (f", {args}" if args else "")
+            + (f", pairs={self.pairs.size}" if self.pairs.size else "")
             + ")"
         )
 
@@ -367,7 +443,10 @@ def to_csv(schedule: Schedule) -> str:
     out.write(head + "\n")
     writer = csv.writer(out, lineterminator="\n")
     for r in range(schedule.num_ranks):
-        writer.writerow(schedule.rank_strings(r))
+        cells, pairs = schedule.rank_strings(r), schedule.rank_pairs(r)
+        for i in sorted(pairs, reverse=True):  # 'F&B' in one cell
+            cells[i : i + 2] = [f"{cells[i]}&{cells[i + 1]}"]
+        writer.writerow(cells)
     return out.getvalue()
 
 
@@ -376,7 +455,7 @@ def from_csv(text: str, *, name: str | None = None, source: str = "<csv>") -> Sc
     `to_csv` (name=, microbatches=, placement=) is optional: without it the placement is read
     off the actions. Errors name the line and cell."""
     meta: dict[str, str] = {}
-    rows: list[list[Action]] = []
+    rows: list[list[str]] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
         if not stripped:
@@ -394,9 +473,13 @@ def from_csv(text: str, *, name: str | None = None, source: str = "<csv>") -> Sc
             if not cell.strip():
                 continue
             try:
-                row.append(Action.parse(cell))
+                if cell.count("&") > 1:
+                    raise ValueError(f"{cell!r}: a pair joins exactly two actions, 'sFi&tBj'")
+                for half in cell.split("&"):
+                    Action.parse(half)
             except ValueError as exc:
                 raise ValueError(f"{source}: line {lineno}, cell {col}: {exc}") from None
+            row.append(cell.strip())
         rows.append(row)
     if not rows:
         raise ValueError(f"{source}: no ranks (expected one row of actions per rank)")

@@ -51,45 +51,51 @@ def lower_with_times(table: ComputeTable) -> tuple[Schedule, np.ndarray]:
 
     Every rank keeps its compute order; an action whose input comes from another rank gets
     its RECV right before it, one whose result goes to another rank its SEND right after it.
-    Those positions follow from the order alone, so they are computed at once for every
-    action; only the unit-time run goes round by round.
+    An overlapped pair is one step: the RECVs of both halves go before it, the SENDs of both
+    after it, so its halves stay adjacent. Those positions follow from the order alone, so
+    they are computed at once for every action; only the unit-time run goes round by round.
     """
     sched = table.schedule
     n, p = table.n, sched.num_ranks
-    out_rank = _outgoing(table)
-    sends = out_rank >= 0
-    del out_rank
+    sends = _outgoing(table) >= 0
     recvs = table.cross
-    # lowered position of each compute action: its index within its rank, plus the RECVs up
-    # to and including it and the SENDs before it on that rank
-    extra = recvs.astype(np.int64)
-    extra += sends
-    np.cumsum(extra, out=extra)
-    starts = table.offsets[:-1]
-    before = np.concatenate(([0], extra))[starts]  # RECVs + SENDs of the earlier ranks
-    extra -= np.repeat(before, np.diff(table.offsets))
-    extra -= sends  # a SEND comes after its own action
-    slot = np.arange(n, dtype=np.int64)
-    slot += extra  # global compute index + own rank's comm before = lowered position
-    del extra
-    slot += np.repeat(before, np.diff(table.offsets))  # earlier ranks' comm actions
-    total = n + int(np.count_nonzero(sends)) + int(np.count_nonzero(recvs))
+    n_send_total, n_recv_total = int(np.count_nonzero(sends)), int(np.count_nonzero(recvs))
+    total = n + n_send_total + n_recv_total
+    it = np.int32 if total < 2**31 - 1 else np.int64  # positions; half the memory traffic
+    # RECVs before and SENDs after each step: a pair's move to its first and last half
+    n_recv = recvs.astype(it)
+    n_send = sends.astype(it)
+    pf = np.searchsorted(table.pos, sched.pairs) if sched.pairs.size else None
+    if pf is not None:
+        pb = pf + 1
+        n_recv[pf] += n_recv[pb]
+        n_recv[pb] = 0
+        n_send[pb] += n_send[pf]
+        n_send[pf] = 0
+    # lowered position of each compute action: its compute index plus every comm action
+    # before it (ranks follow each other, so the earlier ranks' are in the running sum)
+    slot = n_recv
+    slot += n_send
+    np.cumsum(slot, out=slot)
+    slot -= n_send
+    del n_send
+    slot += np.arange(n, dtype=it)
     kinds = np.empty(total, dtype=np.int8)
     stages = np.empty(total, dtype=np.int32)
     mbs = np.empty(total, dtype=np.int32)
     kinds[slot] = table.kind
     stages[slot] = table.stage
     mbs[slot] = table.mb
-    forward = table.kind == Kind.F
-    at = slot[recvs] - 1  # RECV_F into an F, RECV_B into a B/BW: named by the consumer
-    kinds[at] = np.where(forward[recvs], Kind.RECV_F, Kind.RECV_B)
-    stages[at] = table.stage[recvs]
-    mbs[at] = table.mb[recvs]
-    at = slot[sends] + 1
-    kinds[at] = np.where(forward[sends], Kind.SEND_F, Kind.SEND_B)
-    stages[at] = table.stage[sends]
-    mbs[at] = table.mb[sends]
-    del slot, at, forward
+    for mask, before in ((recvs, True), (sends, False)):
+        idx = np.flatnonzero(mask)
+        at = slot[idx] + (-1 if before else 1)  # RECV right before its step, SEND after
+        if pf is not None:
+            _pair_slots(at, idx, pf, slot, recvs if before else sends, before)
+        fwd = table.kind[idx] == Kind.F  # RECV_F into an F, RECV_B into a B/BW: the consumer's
+        codes = (Kind.RECV_F, Kind.RECV_B) if before else (Kind.SEND_F, Kind.SEND_B)
+        kinds[at] = np.where(fwd, np.int8(codes[0]), np.int8(codes[1]))
+        stages[at] = table.stage[idx]
+        mbs[at] = table.mb[idx]
     counts = np.diff(table.offsets)
     counts += np.bincount(table.rank[sends], minlength=p)
     counts += np.bincount(table.rank[recvs], minlength=p)
@@ -97,17 +103,44 @@ def lower_with_times(table: ComputeTable) -> tuple[Schedule, np.ndarray]:
     np.cumsum(counts, out=offsets[1:])
     for arr in (kinds, stages, mbs):
         arr.flags.writeable = False
-    return sched.replace_actions(offsets, kinds, stages, mbs), _unit_time_run(table)
+    pairs = slot[pf].astype(np.int64) if pf is not None else None
+    return sched.replace_actions(offsets, kinds, stages, mbs, pairs), _unit_time_run(table)
+
+
+def _pair_slots(
+    at: np.ndarray, idx: np.ndarray, pf: np.ndarray, slot: np.ndarray, has: np.ndarray, recv: bool
+) -> None:
+    """Move the messages of pairs around the pair: both RECVs before the F half (the F
+    half's first), both SENDs after the B half (the F half's first)."""
+    pb = pf + 1
+
+    def where(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        k = np.searchsorted(idx, c)
+        hit = k < idx.size
+        hit[hit] = idx[k[hit]] == c[hit]
+        return k[hit], hit
+
+    if recv:
+        k, hit = where(pf)  # the F half's RECV goes before the B half's
+        at[k] -= has[pb][hit]
+        k, hit = where(pb)
+        at[k] = slot[pf][hit] - 1
+    else:
+        k, hit = where(pf)
+        at[k] = slot[pb][hit] + 1
+        k, hit = where(pb)  # after the F half's SEND
+        at[k] = slot[pb][hit] + 1 + has[pf][hit]
 
 
 def _unit_time_run(table: ComputeTable) -> np.ndarray:
     """End of each compute action when each takes one unit and a rank runs its next action
-    as soon as its input exists (one action per rank and round); raises on a cycle."""
+    as soon as its inputs exist (one action per rank and round; a pair's F half waits for
+    both halves' inputs); raises on a cycle."""
     n = table.n
     never = np.iinfo(np.int64).max
     done = np.full(n + 1, never, dtype=np.int64)
     done[n] = 0
-    dep = table.dep
+    dep, dep2 = table.dep, table.pair_dep
     ptr = table.offsets[:-1].copy()
     stop = table.offsets[1:]
     act = np.flatnonzero(ptr < stop)
@@ -116,6 +149,8 @@ def _unit_time_run(table: ComputeTable) -> np.ndarray:
         now += 1
         a = ptr[act]
         ok = done[dep[a]] < now
+        if dep2 is not None:
+            ok &= done[dep2[a]] < now
         if not ok.all():
             if not ok.any():
                 raise cycle_error(table, a)
@@ -143,8 +178,9 @@ def strip_comm(schedule: Schedule) -> Schedule:
     counts = np.bincount(ranks[keep], minlength=p)
     offsets = np.zeros(p + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
+    pairs = np.searchsorted(np.flatnonzero(keep), schedule.pairs)
     return schedule.replace_actions(
-        offsets, schedule.kinds[keep], schedule.stages[keep], schedule.microbatches[keep]
+        offsets, schedule.kinds[keep], schedule.stages[keep], schedule.microbatches[keep], pairs
     )
 
 

@@ -45,6 +45,15 @@ def _labels(result: SimResult) -> list[str]:
     return out
 
 
+def _pair_index(result: SimResult) -> np.ndarray:
+    """Indices (into the result's arrays) of the F halves of overlapped pairs."""
+    sched = result.schedule
+    if not sched.pairs.size:
+        return np.zeros(0, dtype=np.int64)
+    compute = np.flatnonzero(sched.kinds < Kind.SEND_F)
+    return np.searchsorted(compute, sched.pairs)
+
+
 def ascii_timeline(result: SimResult, *, max_width: int = 160, max_ranks: int = 32) -> str:
     """Rank x time grid. One column is the shortest action's duration; an action fills the
     columns it covers (label, then '-'), idle columns show '.'. Cut to `max_width` characters
@@ -56,6 +65,9 @@ def ascii_timeline(result: SimResult, *, max_width: int = 160, max_ranks: int = 
         return "(nothing to draw: every action takes zero time)"
     quantum = float(positive.min())
     labels = _labels(result)
+    paired = _pair_index(result)
+    for j in paired + 1:  # the backward half of an F&B pair
+        labels[j] = "&" + labels[j]
     cell = max(len(s) for s in labels) + 1
     columns = math.ceil(result.makespan / quantum - 1e-9)
     fit = max(1, (max_width - 8) // cell)
@@ -78,6 +90,7 @@ def ascii_timeline(result: SimResult, *, max_width: int = 160, max_ranks: int = 
     legend = (
         f"one column = {quantum:g} time units; F forward, B backward (inputs), W backward "
         "(weights), X fused backward; lowercase = a rank's second stage; '.' idle"
+        + ("; &: the backward half of an overlapped F&B pair" if paired.size else "")
     )
     if notes:
         legend += " (" + "; ".join(notes) + ")"
@@ -131,6 +144,19 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
                 linewidth=0.3,
                 hatch="//" if odd else None,
             )
+    from matplotlib.patches import Rectangle
+
+    for j in _pair_index(result):  # an F&B pair: one frame around its two halves
+        ax.add_patch(
+            Rectangle(
+                (result.start[j], result.rank[j] - 0.45),
+                result.end[j + 1] - result.start[j],
+                0.9,
+                fill=False,
+                edgecolor="crimson",
+                linewidth=1.2,
+            )
+        )
     wide = durations >= 0.02 * max(result.makespan, 1e-12)
     if p <= 64 and wide.sum() <= 4000:
         for j in np.flatnonzero(wide):
@@ -157,11 +183,15 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
         )
         for k, label in legend_entries(result)
     ]
+    if sched.pairs.size:
+        handles.append(
+            Patch(fill=False, edgecolor="crimson", linewidth=1.2, label="F&B pair (overlapped)")
+        )
     ax.legend(
         handles=handles,
         loc="lower left",
         bbox_to_anchor=(0.0, 1.0),
-        ncol=len(handles),
+        ncol=max(1, min(len(handles), int(fig.get_figwidth() / 2.2))),  # rows when narrow
         fontsize=7,
         frameon=False,
     )

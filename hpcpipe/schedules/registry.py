@@ -62,11 +62,15 @@ def stages_per_rank(name: str, v: int | None = None) -> int:
     return _FIXED[name][1]
 
 
-def build_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
+def build_schedule(
+    name: str, p: int, m: int, v: int | None = None, *, pairs: bool = False
+) -> Schedule:
     """Build schedule `name` for p ranks and m microbatches.
 
     `v` (stages per rank) applies to interleaved-1f1b (default 2); the others have a fixed
     placement and accept only their own v. Unsupported (p, m, v) raise ValueError saying why.
+    `pairs` keeps the overlapped F&B pairs of the schedules that define them (DualPipeV);
+    without it every action runs on its own, in the same order.
     """
     if name == "interleaved-1f1b":
         return interleaved_1f1b(p, m, 2 if v is None else v)
@@ -78,4 +82,5 @@ def build_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
             f"{name} holds {fixed_v} stage(s) per rank; it cannot use v={v} "
             "(only interleaved-1f1b takes v)"
         )
-    return generator(p, m)
+    built = generator(p, m)
+    return built if pairs else built.unpaired()

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from hpcpipe.schedules._table import compute_table
 from hpcpipe.schedules.ir import Kind, Schedule
-from hpcpipe.schedules.simulate import CostModel
+from hpcpipe.schedules.simulate import CostModel, durations
 
 __all__ = ["COMPUTE", "action_counts", "measured_costs", "replay_in_order"]
 
@@ -61,13 +62,12 @@ def replay_in_order(lowered: Schedule, costs: CostModel) -> float:
     receives at their consumers it equals the simulator's makespan (tested for every
     schedule); for a hand-written order, the difference is what that order costs, and the
     difference from a measured step is what the runtime itself adds."""
-    arrays = costs.stage_arrays(lowered.num_stages)
-    dur = {
-        Kind.F: arrays["t_f"],
-        Kind.B: arrays["t_b"],
-        Kind.W: arrays["t_w"],
-        Kind.BW: arrays["t_bw"],
-    }
+    table = compute_table(lowered)
+    took = np.zeros(lowered.num_actions)  # per position: compute actions' time (pairs too)
+    took[table.pos] = durations(table, costs.stage_arrays(lowered.num_stages))
+    took_of = [
+        took[lowered.offsets[r] : lowered.offsets[r + 1]].tolist() for r in range(lowered.num_ranks)
+    ]
     acts = [lowered.rank_actions(r) for r in range(lowered.num_ranks)]
     pos = [0] * len(acts)
     now = [0.0] * len(acts)
@@ -78,8 +78,8 @@ def replay_in_order(lowered: Schedule, costs: CostModel) -> float:
         for r, mine in enumerate(acts):
             while pos[r] < len(mine):
                 stage, kind, mb = mine[pos[r]]
-                if kind in dur:
-                    now[r] += float(dur[kind][stage])
+                if kind < Kind.SEND_F:
+                    now[r] += took_of[r][pos[r]]
                 elif kind == Kind.SEND_F:
                     sent[(Kind.RECV_F, stage + 1, mb)] = now[r]
                 elif kind == Kind.SEND_B:

@@ -32,7 +32,9 @@ def load_schedule(cfg: PipelineConfig, pp: int, source: str = _SOURCE) -> Schedu
         return _searched(cfg, pp, source).schedule
     if cfg.schedule != "csv":
         try:
-            return build_schedule(cfg.schedule, pp, cfg.microbatches, cfg.virtual_stages)
+            return build_schedule(
+                cfg.schedule, pp, cfg.microbatches, cfg.virtual_stages, pairs=cfg.overlap_pairs
+            )
         except ValueError as exc:
             raise ConfigError(source, "pipeline.schedule", f"= {cfg.schedule!r}: {exc}") from None
     try:
@@ -152,7 +154,9 @@ def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
     for name in names:
         v = cfg.virtual_stages if name == "interleaved-1f1b" else None
         try:
-            entries.append((name, build_schedule(name, pp, cfg.microbatches, v)))
+            entries.append(
+                (name, build_schedule(name, pp, cfg.microbatches, v, pairs=cfg.overlap_pairs))
+            )
         except ValueError as exc:
             entries.append((name, str(exc)))
     if cfg.schedule in ("csv", "auto"):

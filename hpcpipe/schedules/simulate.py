@@ -60,6 +60,9 @@ class CostModel:
     message_bytes: float = 0.0
     activation: Costs = 1.0
     b_frees: float = 0.0
+    t_comm: Costs = 0.0
+    """Communication inside each F and each B of a stage (MoE all-to-alls), part of `t_f` and
+    `t_b`: what an overlapped pair's other half can hide (see `durations`)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.b_frees <= 1.0:
@@ -80,7 +83,7 @@ class CostModel:
         """Per-stage arrays: t_f, t_b, t_w, t_bw, activation (each of length num_stages)."""
         out = {
             name: _per_stage(getattr(self, name), num_stages, name)
-            for name in ("t_f", "t_b", "t_w", "activation")
+            for name in ("t_f", "t_b", "t_w", "activation", "t_comm")
         }
         if self.t_bw is None:
             out["t_bw"] = out["t_b"] + out["t_w"]
@@ -183,19 +186,43 @@ def _segment(ufunc_reduceat, values: np.ndarray, offsets: np.ndarray, empty: flo
 
 
 def durations(table: ComputeTable, arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """Duration of every compute action from the per-stage cost arrays."""
+    """Duration of every compute action from the per-stage cost arrays.
+
+    An overlapped pair (F of one microbatch with the B or BW of another) hides each half's
+    communication `c` behind the other half's compute `t - c`: the halves take
+    `t_F - min(c_F, t_B - c_B)` and `t_B - min(c_B, t_F - c_F)`, so the pair costs
+    `(t_F - c_F) + (t_B - c_B) + max(0, c_F - (t_B - c_B)) + max(0, c_B - (t_F - c_F))`:
+    both computes, plus what neither hid (DualPipe's F&B).
+    """
     by_kind = np.stack([arrays["t_f"], arrays["t_b"], arrays["t_w"], arrays["t_bw"]])
-    return by_kind[table.kind, table.stage]
+    dur = by_kind[table.kind, table.stage]
+    pairs = table.schedule.pairs
+    comm = arrays.get("t_comm")
+    if pairs.size and comm is not None and comm.any():
+        pf = np.searchsorted(table.pos, pairs)
+        pb = pf + 1
+        c_f, c_b = comm[table.stage[pf]], comm[table.stage[pb]]
+        compute_f = np.maximum(dur[pf] - c_f, 0.0)
+        compute_b = np.maximum(dur[pb] - c_b, 0.0)
+        dur[pf] -= np.minimum(np.minimum(c_f, dur[pf]), compute_b)
+        dur[pb] -= np.minimum(np.minimum(c_b, dur[pb]), compute_f)
+    return dur
 
 
-def run_rounds(table: ComputeTable, dur: np.ndarray, delay: np.ndarray) -> tuple[np.ndarray, ...]:
+def run_rounds(
+    table: ComputeTable, dur: np.ndarray, delay: np.ndarray, delay2: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
     """Start/end of every compute action: list scheduling in each rank's fixed order.
 
+    `delay[a]`: transfer time of action a's input; `delay2[a]`: of its second input (a
+    pair's F half also waits for its B half's input, since the two start together).
     Raises `ScheduleError` (dependency cycle) when no rank can move.
     """
     n = table.n
     p = table.offsets.size - 1
-    dep = table.dep
+    dep, dep2 = table.dep, table.pair_dep
+    if dep2 is not None and delay2 is None:
+        delay2 = np.zeros(n)
     start = np.empty(n)
     end = np.full(n + 1, np.inf)
     end[n] = 0.0
@@ -205,7 +232,10 @@ def run_rounds(table: ComputeTable, dur: np.ndarray, delay: np.ndarray) -> tuple
     act = np.flatnonzero(ptr < stop)
     while act.size:
         a = ptr[act]
-        ready = end[dep[a]]
+        ready = end[dep[a]] + delay[a]  # when the input is there
+        if dep2 is not None:
+            assert delay2 is not None
+            np.maximum(ready, end[dep2[a]] + delay2[a], out=ready)
         ok = ready != np.inf
         if not ok.all():
             if not ok.any():
@@ -213,7 +243,7 @@ def run_rounds(table: ComputeTable, dur: np.ndarray, delay: np.ndarray) -> tuple
             act_ok, a, ready = act[ok], a[ok], ready[ok]
         else:
             act_ok = act
-        st = np.maximum(free[act_ok], ready + delay[a])
+        st = np.maximum(free[act_ok], ready)
         en = st + dur[a]
         start[a] = st
         end[a] = en
@@ -234,7 +264,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     arrays = costs.stage_arrays(schedule.num_stages)
     dur = durations(table, arrays)
     delay = np.where(table.cross, costs.comm_time, 0.0)
-    start, end = run_rounds(table, dur, delay)
+    delay2 = None if table.pair_cross is None else np.where(table.pair_cross, costs.comm_time, 0.0)
+    start, end = run_rounds(table, dur, delay, delay2)
 
     # live activations after each action, in each rank's order (= time order on that rank)
     share = np.array([1.0, -costs.b_frees, costs.b_frees - 1.0, -1.0])

@@ -123,6 +123,13 @@ class PipelineRank:
             nbytes = int(np.prod(self.act_shape)) * np.dtype(backend.dtype).itemsize
             self._nbytes = [nbytes if p >= 0 else 0 for p in self._peers]
         self._post_at = [r.post_at for r in self.messages.receives]
+        # overlapped pairs: the F half's position -> the two stages, for stages that overlap
+        # (begin_pair/end_pair); the others run the halves one after the other
+        self._pairs = {
+            i: (stages[self.actions[i].stage], stages[self.actions[i + 1].stage])
+            for i in schedule.rank_pairs(rank)
+            if hasattr(stages[self.actions[i].stage], "begin_pair")
+        }
         self._step_no, self._pos = -1, -1  # where this rank is, for the watchdog's report
 
     # ------------------------------------------------------------------ one step
@@ -157,6 +164,7 @@ class PipelineRank:
         self._n_sent = self._n_received = 0  # the step's sends and receives so far (plan order)
         reducer, expert_reducer = self.reducer, self.expert_reducer
         rec, now = self.rec, self.rec.now
+        pairs = self._pairs
         t_step = now()
         self._step_no = step + 1  # reports number steps from 1, like the log
         for pos, action in enumerate(self.actions):
@@ -172,7 +180,12 @@ class PipelineRank:
                 expert_reducer.progress()
             t0 = now()
             try:
+                if pairs:
+                    self._pair_edge(pos)
                 self._run_action(action, step)
+                if pairs and pos - 1 in pairs:
+                    f_stage, b_stage = pairs[pos - 1]
+                    f_stage.end_pair(b_stage)
             except Exception as exc:
                 raise ActionError(self._where(step + 1, pos, exc)) from exc
             if pos in releases:
@@ -227,6 +240,12 @@ class PipelineRank:
             self._peak_units / self.chunks_per_rank,
             times,
         )
+
+    def _pair_edge(self, pos: int) -> None:
+        """An overlapped pair starts at `pos`: its stages run the two halves together."""
+        if pos in self._pairs:
+            f_stage, b_stage = self._pairs[pos]
+            f_stage.begin_pair(b_stage)
 
     def where(self) -> str:
         """What this rank is doing now, in schedule terms (read by the watchdog's thread)."""

@@ -117,6 +117,24 @@ def test_pipeline_synthetic_oversubscribed(mpirun, tmp_path):
         assert row["plan_in_order_ms"] == pytest.approx(row["plan_ms"])
 
 
+def test_pipeline_synthetic_overlapped_pairs(mpirun, tmp_path):
+    args = ["pipeline", TINY, "--synthetic", "--unit-ms", "1", "--repeats", "2"]
+    args += ["--schedules", "dualpipe-v", "--overlap-pairs", "--set", "pipeline.t_alltoall=0.5"]
+    data = _bench(mpirun, tmp_path, 2, args)
+    rows = {r["schedule"]: r for r in data["rows"]}
+    assert list(rows) == ["dualpipe-v", "dualpipe-v F&B"]
+    single, paired = rows["dualpipe-v"], rows["dualpipe-v F&B"]
+    _positive([single, paired], "plan_ms", "measured_ms")
+    # the plan: pairs hide part of the all-to-all time inside them
+    assert paired["plan_ms"] < single["plan_ms"]
+    summary = data["summary"]
+    assert summary["pairs_planned_saving_ms"] == pytest.approx(
+        single["plan_ms"] - paired["plan_ms"]
+    )
+    assert 0 < summary["pairs_planned_saving_ms"] <= summary["pairs_comm_ms"]
+    assert any("F&B pairs save" in t["what"] for t in data["targets"])
+
+
 def test_sweep(mpirun, tmp_path):
     data = _bench(
         mpirun, tmp_path, 2, ["sweep", "--n", "4", "--repeats", "1", "--blockings", "0x0,2x5"]

@@ -144,3 +144,24 @@ def test_rank_failing_in_forward_ends_the_job(mpirun, tmp_path):
     assert "[rank 1 on" in r.stderr and "injected fault at forward:1" in r.stderr
     assert "step 1, action" in r.stderr  # the interpreter names the step and the action
     assert r.seconds < 30
+
+
+@pytest.mark.parametrize(("pp", "dp"), [(2, 1), (4, 2)])
+def test_dualpipe_v_overlapped_pairs_match_reference(mpirun, tmp_path, pp, dp):
+    """DualPipeV run as F&B pairs (each pair's inputs received before it, its sends after
+    it) trains to the same numbers as the single-process reference."""
+    r = train(
+        mpirun,
+        tmp_path,
+        pp,
+        dp,
+        "--set",
+        "pipeline.schedule=dualpipe-v",
+        "--set",
+        "pipeline.overlap_pairs=true",
+        "--set",
+        "pipeline.t_alltoall=0.2",
+    )
+    assert r.returncode == 0, r.output
+    assert "verify OK" in r.stdout, r.output
+    assert re.search(r"activations: .* counted (\[[^\]]*\]), planned \1\n", r.stdout), r.stdout
