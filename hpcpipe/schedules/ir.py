@@ -157,7 +157,9 @@ class Schedule:
                 raise ValueError(f"action stage out of range 0..{len(flat) - 1}")
             if self.microbatches.min() < 0 or self.microbatches.max() >= self.num_microbatches:
                 raise ValueError(f"action microbatch out of range 0..{self.num_microbatches - 1}")
-        pairs = np.unique(np.asarray(self.pairs, dtype=np.int64))
+        pairs = np.array(self.pairs, dtype=np.int64)  # a copy the caller cannot change
+        if pairs.size > 1 and not np.all(pairs[1:] > pairs[:-1]):
+            pairs = np.unique(pairs)  # (builders give them sorted: no hashing of millions)
         pairs.flags.writeable = False
         object.__setattr__(self, "pairs", pairs)
         if pairs.size:
