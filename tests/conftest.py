@@ -51,22 +51,15 @@ def mpiexec_command() -> list[str]:
 
 # What a launcher or an MPI runtime puts in a process's environment (Slurm, Hydra's PMI, Open
 # MPI's ORTE/PMIx): a child started with them joins, or refuses, the parent's job instead of
-# starting its own. User tuning (OMPI_MCA_btl=..., MPIR_CVAR_...) is kept.
-_LAUNCHER_PREFIXES = (
-    "SLURM_",
-    "PMI_",
-    "PMIX_",
-    "MPI_LOCALNRANKS",
-    "MPI_LOCALRANKID",
-    "OMPI_MCA_ess",
-    "OMPI_MCA_orte_",
-    "OMPI_MCA_pmix",
-    "OMPI_MCA_initial_wdir",
-)
+# starting its own. User tuning (OMPI_MCA_btl=..., PMIX_MCA_gds=..., MPIR_CVAR_...) is kept.
+_LAUNCHER_PREFIXES = ("SLURM_", "PMI_", "PMIX_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+_RUNTIME_MCA = ("OMPI_MCA_ess", "OMPI_MCA_orte_", "OMPI_MCA_pmix", "OMPI_MCA_initial_wdir")
 
 
 def _from_launcher(key: str) -> bool:
-    if key.startswith("OMPI_") and not key.startswith("OMPI_MCA_"):
+    if key.startswith(("OMPI_MCA_", "PMIX_MCA_")):  # tuning (PMIX_MCA_gds=hash in containers)
+        return key.startswith(_RUNTIME_MCA)  # ... but not the keys a launch sets
+    if key.startswith("OMPI_"):
         return True  # OMPI_COMM_WORLD_RANK, OMPI_UNIVERSE_SIZE, OMPI_COMMAND, ...
     return key.startswith(_LAUNCHER_PREFIXES)
 

@@ -123,7 +123,8 @@ class BucketedAllreduce:
     _closed: set[int] = field(default_factory=set)  # rows whose every bucket has started
     _edges: dict[int, tuple[FlatBuffer, list[int]]] = field(default_factory=dict)
     reductions: list[Reduction] = field(default_factory=list)
-    """One row per `start` since the last `wait` (readable after it, until the next start)."""
+    """One row per buffer started since the last `wait` (readable after it, until the next
+    start; a reader may clear it)."""
     host_waits: int = 0  # device buckets whose data the host had to wait for (at `wait`)
 
     def __post_init__(self) -> None:
@@ -145,7 +146,7 @@ class BucketedAllreduce:
         as soon as it is final, as DDP does in the backward. Later calls for the same buffer in
         the same step continue where the last one stopped; without `upto` they start the rest.
         Every rank of the communicator must start the same buckets in the same order."""
-        if self._alone:
+        if self._alone or not buffer.flat.size:
             return
         if not self._left:  # the first start after a `wait`: a new step's rows
             self.reductions.clear()
@@ -154,8 +155,7 @@ class BucketedAllreduce:
         if state is None:
             maybe_fail("allreduce")
             row, first = len(self.reductions), 0
-            clock = self.clock
-            self.reductions.append(Reduction(key, clock() if clock else 0, int(buffer.flat.nbytes)))
+            self.reductions.append(Reduction(key, -1, int(buffer.flat.nbytes)))
             self._left.append(0)
         else:
             row, first = state
@@ -165,6 +165,8 @@ class BucketedAllreduce:
             self._open[id(buffer)] = (row, first)
             return
         self._open[id(buffer)] = (row, last)
+        if self.reductions[row].start < 0:  # its first bucket starts now
+            self.reductions[row].start = self.clock() if self.clock else 0
         self._left[row] += last - first
         if last == buckets:
             self._closed.add(row)
@@ -305,3 +307,4 @@ class BucketedAllreduce:
             for req in reqs:
                 req.Free()
         self._requests.clear()
+        self._edges.clear()

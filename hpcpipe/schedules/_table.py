@@ -48,6 +48,9 @@ class ComputeTable:
     """With overlapped pairs: per action, a second dependency (`n`: none): an F half also
     waits for its B half's input, since the two start together."""
     pair_cross: np.ndarray | None = None  # that second input arrives from another rank
+    timed_dep: np.ndarray | None = None
+    """With pairs: `dep` for timing, where a consumer of a pair's F half waits for the whole
+    pair (its SEND follows the B half); None means `dep`."""
 
     @property
     def n(self) -> int:
@@ -145,9 +148,9 @@ def compute_table(schedule: Schedule) -> ComputeTable:
     late_f = is_b & (own_f > idx)
     if late.any() or late_f.any():
         _order_error(schedule, pos, kind, stage, mb, rank, dep, own_f, late, late_f)
-    pair_dep = pair_cross = None
+    pair_dep = pair_cross = timed_dep = None
     if schedule.pairs.size:
-        pair_dep, pair_cross = _pair_deps(schedule, pos, stage, mb, dep, cross)
+        pair_dep, pair_cross, timed_dep = _pair_deps(schedule, pos, stage, mb, dep, cross)
     return ComputeTable(
         schedule=schedule,
         pos=pos,
@@ -162,6 +165,7 @@ def compute_table(schedule: Schedule) -> ComputeTable:
         cross=cross,
         pair_dep=pair_dep,
         pair_cross=pair_cross,
+        timed_dep=timed_dep,
     )
 
 
@@ -172,9 +176,10 @@ def _pair_deps(
     mb: np.ndarray,
     dep: np.ndarray,
     cross: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The F half of a pair starts with its B half, so it also waits for the B half's input;
-    the halves must not feed each other."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The F half of a pair starts with its B half, so it also waits for the B half's input,
+    and its result leaves with the pair (after the B half); the halves must not feed each
+    other. Returns (second dependency, its crossing, dependencies for timing)."""
     n = int(dep.size)
     pf = np.searchsorted(pos, schedule.pairs)  # both halves are compute actions (Schedule)
     pb = pf + 1
@@ -195,7 +200,9 @@ def _pair_deps(
     pair_dep[pf] = dep[pb]
     pair_cross = np.zeros(n, dtype=bool)
     pair_cross[pf] = cross[pb]
-    return pair_dep, pair_cross
+    remap = np.arange(n + 1, dtype=dep.dtype)
+    remap[pf] = pb
+    return pair_dep, pair_cross, remap[dep]
 
 
 def _count_error(

@@ -6,7 +6,7 @@ F chunk 1, BW chunk 0); the drain of forwards; backward pairs where the second h
 split backward; W + B pairs; and the owed Ws. Each F followed by a backward of the other
 chunk (the main phase's two per iteration, the drain's one) is an overlapped pair `F&B`:
 DualPipe runs them as one step so that one microbatch's communication hides behind the
-other's compute (the simulator's pair cost: `simulate.pair_durations`). It needs m >= 2p.
+other's compute (the simulator's pair cost: `simulate.durations`). It needs m >= 2p.
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ class Schedule:
     pairs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Positions of the F halves of overlapped pairs (`F&B`): the action right after each is
     the B or BW it runs together with, the forward of one microbatch beside the backward of
-    another, each one's communication hidden behind the other's compute (see `pair_costs`)."""
+    another, each one's communication hidden behind the other's compute (see
+    `simulate.durations`)."""
 
     def __post_init__(self) -> None:
         placement = tuple(tuple(int(s) for s in row) for row in self.stages_of_rank)

@@ -140,7 +140,8 @@ def _unit_time_run(table: ComputeTable) -> np.ndarray:
     never = np.iinfo(np.int64).max
     done = np.full(n + 1, never, dtype=np.int64)
     done[n] = 0
-    dep, dep2 = table.dep, table.pair_dep
+    dep = table.dep if table.timed_dep is None else table.timed_dep
+    dep2 = table.pair_dep
     ptr = table.offsets[:-1].copy()
     stop = table.offsets[1:]
     act = np.flatnonzero(ptr < stop)

@@ -220,7 +220,8 @@ def run_rounds(
     """
     n = table.n
     p = table.offsets.size - 1
-    dep, dep2 = table.dep, table.pair_dep
+    dep = table.dep if table.timed_dep is None else table.timed_dep
+    dep2 = table.pair_dep
     if dep2 is not None and delay2 is None:
         delay2 = np.zeros(n)
     start = np.empty(n)

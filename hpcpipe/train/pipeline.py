@@ -227,6 +227,8 @@ class PipelineRank:
                     reduction.nbytes,
                     value=float(kind == "e"),
                 )
+        self.reducer.reductions.clear()  # read once: a step that starts none records none
+        self.expert_reducer.reductions.clear()
         self.peak_units_overall = max(self.peak_units_overall, self._peak_units)
         self.peak_bytes_overall = max(self.peak_bytes_overall, self.memory.peak)
         loss_sum = self._loss_sum  # a float unless this rank holds the last stage

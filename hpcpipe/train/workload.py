@@ -155,7 +155,7 @@ class Trainer:
                 recorder=self.rec,
                 expert_dp_comm=ctx.comms.expert_dp,
             )
-        except TagLimitError as exc:  # every rank alike: the same stages everywhere
+        except TagLimitError as exc:  # ranks holding the last stages: abort_on_error ends all
             raise ConfigError(
                 cfg.source,
                 "topology.pp",

@@ -158,6 +158,19 @@ def test_runtime_order_replays_in_the_simulated_time(p, m, comm):
     assert replay_in_order(validate(s), costs) == pytest.approx(simulate(s, costs).makespan)
 
 
+@pytest.mark.parametrize("comm", [0.0, 0.5])
+def test_a_pairs_forward_result_leaves_with_the_pair(comm):
+    """The F half's SEND follows the B half (the pair is one step): its consumer on the next
+    rank cannot start before the whole pair ends, in the simulator as in the lowered order."""
+    s = from_csv("0F0,0F1&0BW0,0BW1\n1F0,1BW0,1F1,1BW1\n")
+    costs = CostModel(t_f=1.0, t_b=5.0, t_w=0.0, t_bw=5.0, t_comm=comm)
+    sim = simulate(s, costs)
+    assert replay_in_order(validate(s), costs) == pytest.approx(sim.makespan)
+    pair_end = sim.end[2]  # 0BW0, the pair's second half on rank 0
+    f1 = [j for j in range(sim.offsets[1], sim.offsets[2]) if sim.kind[j] == Kind.F][1]
+    assert sim.microbatch[f1] == 1 and sim.start[f1] >= pair_end - 1e-12
+
+
 def test_pairs_save_what_they_hide_in_the_deck_cost_model():
     cfg = PipelineConfig(
         schedule="dualpipe-v", microbatches=16, t_alltoall=(0.5,), overlap_pairs=True
