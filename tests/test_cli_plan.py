@@ -74,3 +74,16 @@ def test_plan_exports_the_resolved_schedule_and_reads_it_back(cli, tmp_path):
     assert not list(tmp_path.rglob(".*.tmp"))
     sweep = cli(["plan", str(INPUTS / "sweep_tiny.toml"), "--csv", str(tmp_path / "s.csv")])
     assert sweep.returncode == 2 and "a sweep deck has none" in sweep.stderr
+
+
+def test_overlap_pairs_on_a_schedule_without_pairs_is_bad_input(cli):
+    from conftest import INPUTS
+
+    r = cli(["plan", str(INPUTS / "train_tiny.toml"), "--set", "pipeline.overlap_pairs=true"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "pipeline.overlap_pairs" in r.stderr and "only dualpipe-v defines" in r.stderr
+    sets = ["pipeline.schedule=dualpipe-v", "pipeline.overlap_pairs=true"]
+    sets.append("pipeline.microbatches=4")
+    ok = cli(["plan", str(INPUTS / "train_tiny.toml"), *(x for s in sets for x in ("--set", s))])
+    assert ok.returncode == 0, ok.output
+    assert "&: the backward half of an overlapped F&B pair" in ok.stdout
