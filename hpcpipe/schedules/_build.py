@@ -12,9 +12,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hpcpipe.schedules.ir import Kind
+from hpcpipe.schedules.ir import Kind, Schedule
+from hpcpipe.schedules.simulate import CostModel, simulate
 
-__all__ = ["Slot", "check_pm", "concat", "phase"]
+__all__ = ["COMPACT_MAX_P", "Slot", "check_pm", "concat", "fastest", "phase"]
+
+COMPACT_MAX_P = 64
+"""Above this many ranks the constructions that cost more than linear time in the number of
+actions (grid compaction, greedy builds for small m) are skipped."""
 
 Slot = tuple[Kind, int, np.ndarray, np.ndarray | bool]
 """(kind, stage, microbatch per repetition, present per repetition)."""
@@ -49,3 +54,16 @@ def phase(count: int, slots: Sequence[Slot]) -> tuple[np.ndarray, np.ndarray, np
 def concat(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
     """Join phases into one rank's (kinds, stages, microbatches)."""
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+
+
+def fastest(candidates: Sequence[Schedule], p: int) -> Schedule:
+    """The candidate with the shortest makespan under unit costs (F = B = W = 1 per full
+    stage, each stage its share; ties: the earliest candidate)."""
+    share = p / candidates[0].num_stages
+    costs = CostModel(t_f=share, t_b=share, t_w=share, activation=share)
+    spans = [simulate(c, costs).makespan for c in candidates]
+    best = 0
+    for i, span in enumerate(spans):
+        if span < spans[best] - 1e-9 * max(1.0, spans[best]):
+            best = i
+    return candidates[best]

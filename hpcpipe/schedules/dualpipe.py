@@ -91,7 +91,8 @@ def dualpipe_v(p: int, m: int) -> Schedule:
     if m < 2 * p:
         raise ValueError(
             f"DualPipeV needs m >= 2p microbatches (got p={p}, m={m}): its main phase starts "
-            "once every rank has both chunks in flight"
+            "once every rank has both chunks in flight; with fewer, zb-v (same V placement, "
+            "peak p) or schedule = 'auto' run any m"
         )
     per_rank = [_paired(*_rank(r, p, m)) for r in range(p)]
     return Schedule.from_arrays(

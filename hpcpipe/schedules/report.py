@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcpipe.config import ConfigError
+from hpcpipe.schedules.bound import LowerBound, lower_bound
 from hpcpipe.schedules.config import PipelineConfig, cost_model, costs_for
 from hpcpipe.schedules.errors import ScheduleError
 from hpcpipe.schedules.ir import Schedule, read_csv, to_csv
@@ -142,7 +143,7 @@ def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
     names = list(SCHEDULE_NAMES)
     header = (
         f"{'schedule':<17} {'v':>2} {'makespan':>10} {'bubble':>7} {'stage bub':>9} "
-        f"{'peak mem':>9}  {'published bubble':<19} memory"
+        f"{'peak mem':>9} {'bound':>8} {'gap':>6}  {'published bubble':<19} memory"
     )
     lines = [
         f"all schedules for p={pp}, m={cfg.microbatches} and the deck's costs "
@@ -169,16 +170,51 @@ def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
         result = _run(cfg, item, pp)
         v = len(item.stages_of_rank[0])
         bubble, memory = PUBLISHED.get(name, ("", ""))
+        peak = float(result.peak_memory.max())
+        bound = _bound(cfg, pp, item.stages_of_rank, peak)
         lines.append(
             f"{mark}{name:<16} {v:>2} {result.makespan:>10.6g} "
             f"{100 * result.bubble_fraction:>6.1f}% {100 * result.stage_bubble_fraction:>8.1f}% "
-            f"{result.peak_memory.max():>9.4g}  {bubble:<19} {memory}".rstrip()
+            f"{peak:>9.4g} {bound.makespan:>8.6g} {_gap(bound, result.makespan):>6}  "
+            f"{bubble:<19} {memory}".rstrip()
         )
     lines.append(
         "bubble: idle share of all ranks within the makespan; stage bubble: worst rank's idle "
-        "share inside its own span (the papers' measure); published: F, B, W = one full stage"
+        "share inside its own span (the papers' measure); bound: no schedule on the same "
+        "placement within the same peak memory is faster (work per rank plus the fill and "
+        "drain the memory forces); gap: makespan above the bound; published: F, B, W = one "
+        "full stage"
     )
     return "\n".join(lines)
+
+
+def _bound(
+    cfg: PipelineConfig, pp: int, placement: tuple[tuple[int, ...], ...], peak: float
+) -> LowerBound:
+    stages = sum(len(row) for row in placement)
+    return lower_bound(placement, cfg.microbatches, cost_model(cfg, pp, stages), peak)
+
+
+def _gap(bound: LowerBound, makespan: float) -> str:
+    gap = bound.gap(makespan)
+    return "0" if gap <= 1e-9 else f"{100 * gap:.1f}%"
+
+
+def _placements(cfg: PipelineConfig, pp: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Every placement a schedule of the deck can have: one stage per rank, the V, and the
+    interleaved one with the deck's virtual stages."""
+    v = cfg.virtual_stages or 2
+    return [
+        tuple((r,) for r in range(pp)),
+        tuple((r, 2 * pp - 1 - r) for r in range(pp)),
+        tuple(tuple(r + k * pp for k in range(v)) for r in range(pp)),
+    ]
+
+
+def _front_bound(cfg: PipelineConfig, pp: int, peak: float) -> LowerBound:
+    """The least bound over every placement: nothing within `peak` memory is faster."""
+    bounds = [_bound(cfg, pp, placement, peak) for placement in _placements(cfg, pp)]
+    return min(bounds, key=lambda b: b.makespan)
 
 
 def _search_line(cfg: PipelineConfig, sched: Schedule) -> str:
@@ -197,12 +233,13 @@ def _pareto(
     m = cfg.microbatches
     fixed = fixed_points(pp, m, costs_for(cfg, pp))
     front = pareto_front(pp, m, costs_for(cfg, pp), fixed)
-    header = f"{'peak mem':>9} {'makespan':>10}  found by"
+    header = f"{'peak mem':>9} {'makespan':>10} {'bound':>8} {'gap':>6}  found by"
     pick = "" if chosen is None else "; > marks the pick for the deck's memory_budget"
     lines = [
         f"schedule search front for p={pp}, m={m} and the deck's costs: the fastest schedule "
         "found per budget",
-        f"(peak memory in activation_memory units, max over ranks{pick}):",
+        f"(peak memory in activation_memory units, max over ranks{pick}; bound: no schedule on "
+        "any placement within that peak is faster; gap 0: the search is at the bound, optimal):",
         header,
         "-" * len(header),
     ]
@@ -213,7 +250,12 @@ def _pareto(
             float(chosen.peak_memory.max()),
         )
         marked |= same
-        lines.append(f"{'>' if same else ' '}{f.peak:>8.4g} {f.makespan:>10.6g}  {f.how}")
+        bound = _front_bound(cfg, pp, f.peak)
+        gap = _gap(bound, f.makespan)
+        lines.append(
+            f"{'>' if same else ' '}{f.peak:>8.4g} {f.makespan:>10.6g} {bound.makespan:>8.6g} "
+            f"{gap:>6}  {f.how}{' (at the bound)' if gap == '0' else ''}"
+        )
     if chosen is not None and not marked:
         lines.append(
             f">{chosen.peak_memory.max():>8.4g} {chosen.makespan:>10.6g}  the deck's "

@@ -3,41 +3,42 @@
 Each fixed schedule sits at one point of the time/memory trade-off and was designed for even
 stages and free communication. The search builds schedules for the deck's own costs instead:
 
-1. **Greedy list scheduling under a memory cap.** An event-driven simulation in which a free
-   rank starts the best of its ready actions (a B first, then the oldest F that fits under the
-   cap, deferred Ws last or once too many pend). It runs on both placements, one stage per
-   rank and the V shape (rank r holds stages r and 2p-1-r), for a grid of policies: how long
-   W may be deferred, which of a V rank's two backwards goes first, and the warm-up depth
+1. **Greedy list scheduling under a memory cap** (`listsched`) on both placements, one stage
+   per rank and the V shape (rank r holds stages r and 2p-1-r), for a grid of policies: how
+   long W may be deferred, which of a V rank's two backwards goes first, and the warm-up depth
    (the most microbatches a rank may hold at once).
 2. **Local improvement.** From the best few policies, coordinate descent on each rank's own
    warm-up depth and on the W deferral, keeping a change only when the makespan drops.
 3. **Seeds.** Every fixed schedule that fits the budget joins the pool, so the result is never
    slower than the best of them under the same costs.
+4. **Refinement.** The fastest few of the pool are improved under the deck's costs by moving
+   actions into the gaps of their simulated timeline (`refine`).
 
 The fastest candidate wins (ties: the lower peak). Every candidate is re-simulated with
 `simulate`, so the makespan and peak memory reported are the simulator's, and the winner is
 validated. The search is deterministic: every rank of a run computes the same schedule.
-
-Deadlock freedom of the greedy: a rank admits a new microbatch (its first-chunk F) only if
-the first-chunk activations of the microbatches still waiting for their second chunk, plus
-the new one and one second chunk, fit under the cap. Then the oldest unfinished microbatch
-can always make progress on every rank, so for any cap at or above `min_budget` the greedy
-completes (the policy knobs only reorder what is allowed).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from hpcpipe.schedules.errors import ScheduleError
-from hpcpipe.schedules.ir import Kind, Schedule
+from hpcpipe.schedules.ir import Schedule
+from hpcpipe.schedules.listsched import (
+    REL,
+    CostsFor,
+    Policy,
+    Problem,
+    Run,
+    list_schedule,
+    run_to_schedule,
+)
+from hpcpipe.schedules.refine import refine
 from hpcpipe.schedules.registry import SCHEDULE_NAMES, build_schedule
-from hpcpipe.schedules.simulate import CostModel, simulate
+from hpcpipe.schedules.simulate import simulate
 from hpcpipe.schedules.validate import validate
 
 __all__ = [
@@ -51,21 +52,16 @@ __all__ = [
     "search",
 ]
 
-CostsFor = Callable[[int], CostModel]
-"""Number of stages -> the cost model of a schedule with that many stages (`cost_model`)."""
-
-_F, _B, _W = int(Kind.F), int(Kind.B), int(Kind.W)
 _INF = math.inf
-_REL = 1e-9  # relative tolerance of every memory and time comparison
 
 
 def _fits(peak: float, budget: float) -> bool:
-    return peak <= budget + _REL * max(1.0, abs(budget))
+    return peak <= budget + REL * max(1.0, abs(budget))
 
 
 def _faster(a: float, b: float) -> bool:
     """a is a strictly shorter makespan than b (beyond float noise)."""
-    return a < b - _REL * max(1.0, abs(b))
+    return a < b - REL * max(1.0, abs(b))
 
 
 class BudgetError(ValueError):
@@ -91,235 +87,14 @@ class Found:
     how: str
 
 
-# ---------------------------------------------------------------- the greedy
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The greedy's choices where several actions can run.
-
-    `w_limit`: once more than this many Ws are deferred on a rank, it runs the oldest before
-    anything else (None: W only fills time when nothing else can run, or frees memory).
-    `b_order` (V placement): when both of a rank's backwards are ready, "old" runs the older
-    microbatch first, "up" the stage nearer the loss. `depth[r]`: the most microbatches rank r
-    may hold at once (None: only the memory cap limits it).
-    """
-
-    v_shape: bool
-    w_limit: int | None = None
-    b_order: str = "old"
-    depth: tuple[int, ...] | None = None
-
-    def describe(self) -> str:
-        parts = ["V placement" if self.v_shape else "one stage per rank"]
-        parts.append("W deferred freely" if self.w_limit is None else f"W after {self.w_limit}")
-        if self.v_shape:
-            parts.append("older B first" if self.b_order == "old" else "B near the loss first")
-        if self.depth is not None:
-            parts.append("depth " + ",".join(map(str, self.depth)))
-        return "; ".join(parts)
-
-
-@dataclass(frozen=True)
-class _Problem:
-    """One placement's per-stage costs as plain lists: the greedy reads them per action."""
-
-    p: int
-    m: int
-    v_shape: bool
-    stages_of: tuple[tuple[int, ...], ...]
-    rank_of: tuple[int, ...]
-    dur: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]  # F, B, W per stage
-    act: tuple[float, ...]
-    b_frees: float
-    comm: float
-    costs: CostModel
-
-    @classmethod
-    def build(cls, p: int, m: int, costs_for: CostsFor, v_shape: bool) -> _Problem:
-        stages_of = tuple((r, 2 * p - 1 - r) if v_shape else (r,) for r in range(p))
-        S = 2 * p if v_shape else p
-        costs = costs_for(S)
-        arr = costs.stage_arrays(S)
-        rank_of = [0] * S
-        for r, row in enumerate(stages_of):
-            for s in row:
-                rank_of[s] = r
-        return cls(
-            p=p,
-            m=m,
-            v_shape=v_shape,
-            stages_of=stages_of,
-            rank_of=tuple(rank_of),
-            dur=(
-                tuple(arr["t_f"].tolist()),
-                tuple(arr["t_b"].tolist()),
-                tuple(arr["t_w"].tolist()),
-            ),
-            act=tuple(arr["activation"].tolist()),
-            b_frees=costs.b_frees,
-            comm=costs.comm_time,
-            costs=costs,
-        )
-
-    @property
-    def floor(self) -> float:
-        """Least possible peak: one microbatch's activations on the fullest rank."""
-        return max(sum(self.act[s] for s in row) for row in self.stages_of)
-
-
-@dataclass(frozen=True)
-class _Run:
-    order: tuple[tuple[tuple[int, int, int], ...], ...]  # per rank: (kind, stage, microbatch)
-    makespan: float
-    depth_bound: bool  # whether the depth limit ever refused a forward
-
-
-def _greedy(prob: _Problem, cap: float, policy: Policy) -> _Run | None:
-    """Event-driven list scheduling under a per-rank memory cap (see the module docstring).
-
-    A rank that becomes free looks at the next F and B of each of its stages (microbatches
-    in order on a stage) and its deferred Ws, and starts one by `policy`; when nothing is
-    ready it sleeps until its next input arrives. Returns None if the cap is below one
-    microbatch's activations on some rank.
-    """
-    p, m = prob.p, prob.m
-    S = len(prob.rank_of)
-    stages_of, rank_of, act = prob.stages_of, prob.rank_of, prob.act
-    t_f, t_b, t_w = prob.dur
-    comm, b_frees = prob.comm, prob.b_frees
-    limit = cap + _REL * max(1.0, abs(cap))
-    if prob.floor > limit:
-        return None
-    depth = policy.depth or (m,) * p
-    w_limit = policy.w_limit
-    up_first = policy.b_order == "up"
-    f_in = [[_INF] * m for _ in range(S)]  # when each F's input arrives
-    b_in = [[_INF] * m for _ in range(S)]
-    f_in[0] = [0.0] * m
-    nf = [0] * S  # next microbatch to run F (B) on each stage
-    nb = [0] * S
-    live = [0.0] * p
-    held = [0] * p  # microbatches between their first F and first-stage W on the rank
-    waiting = [0.0] * p  # first-chunk activations of microbatches not yet on their second chunk
-    second = [sum(act[x] for x in row[1:]) for row in stages_of]
-    deferred: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (stage, mb) owing W
-    planned = [0.0] * p  # when each rank next looks for work
-    left = [3 * m * len(row) for row in stages_of]
-    order: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
-    heap = [(0.0, r) for r in range(p)]
-    makespan = 0.0
-    depth_bound = False
-
-    def arrive(q: int, at: float, free_at: float) -> None:
-        at = max(at, free_at)
-        if at < planned[q]:
-            planned[q] = at
-            heapq.heappush(heap, (at, q))
-
-    free = [0.0] * p
-    while heap:
-        t, r = heapq.heappop(heap)
-        if t != planned[r] or not left[r]:
-            continue
-        row = stages_of[r]
-        owed = deferred[r]
-        choice = None
-        if owed and w_limit is not None and len(owed) > w_limit:
-            choice = (_W, *owed[0])
-        if choice is None:
-            for s in row if not up_first else row[::-1]:
-                j = nb[s]
-                if (
-                    j < m
-                    and b_in[s][j] <= t
-                    and (choice is None or (not up_first and j < choice[2]))
-                ):
-                    choice = (_B, s, j)
-        if choice is None:
-            for s in row[::-1]:  # the second chunk carries an older microbatch
-                i = nf[s]
-                if i >= m or f_in[s][i] > t or live[r] + act[s] > limit:
-                    continue
-                if s == row[0]:
-                    if waiting[r] + act[s] + second[r] > limit:
-                        continue
-                    if held[r] >= depth[r]:
-                        depth_bound = True
-                        continue
-                if choice is None or i < choice[2]:
-                    choice = (_F, s, i)
-        if choice is None and owed:
-            choice = (_W, *owed[0])
-        if choice is None:
-            nxt = _INF
-            for s in row:
-                if nb[s] < m and b_in[s][nb[s]] > t:
-                    nxt = min(nxt, b_in[s][nb[s]])
-                if nf[s] < m and f_in[s][nf[s]] > t:
-                    nxt = min(nxt, f_in[s][nf[s]])
-            planned[r] = nxt
-            if nxt < _INF:
-                heapq.heappush(heap, (nxt, r))
-            continue
-        kind, s, i = choice
-        order[r].append(choice)
-        left[r] -= 1
-        if kind == _F:
-            end = t + t_f[s]
-            nf[s] += 1
-            live[r] += act[s]
-            if s == row[0]:
-                held[r] += 1
-                if len(row) > 1:
-                    waiting[r] += act[s]
-            else:
-                waiting[r] -= act[row[0]]
-            if s == S - 1:
-                b_in[s][i] = end
-            else:
-                q = rank_of[s + 1]
-                f_in[s + 1][i] = end + (comm if q != r else 0.0)
-                arrive(q, f_in[s + 1][i], free[q])
-        elif kind == _B:
-            end = t + t_b[s]
-            nb[s] += 1
-            live[r] -= b_frees * act[s]
-            owed.append((s, i))
-            if s > 0:
-                q = rank_of[s - 1]
-                b_in[s - 1][i] = end + (comm if q != r else 0.0)
-                arrive(q, b_in[s - 1][i], free[q])
-        else:
-            end = t + t_w[s]
-            owed.remove((s, i))
-            live[r] -= (1.0 - b_frees) * act[s]
-            if s == row[0]:
-                held[r] -= 1
-        makespan = max(makespan, end)
-        free[r] = planned[r] = end
-        heapq.heappush(heap, (end, r))
-    if any(left):  # unreachable for cap >= floor (see the module docstring); kept as a guard
-        return None
-    return _Run(tuple(tuple(o) for o in order), makespan, depth_bound)
-
-
-def _to_schedule(prob: _Problem, run: _Run, params: Iterable[tuple[str, object]]) -> Schedule:
-    per_rank = []
-    for rows in run.order:
-        arr = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-        per_rank.append((arr[:, 0], arr[:, 1], arr[:, 2]))
-    return Schedule.from_arrays("auto", prob.stages_of, prob.m, per_rank, params=params)
-
-
 @dataclass
 class _Candidate:
     makespan: float
     policy: Policy
-    run: _Run
+    run: Run
 
 
-def _policies(prob: _Problem) -> list[Policy]:
+def _policies(prob: Problem) -> list[Policy]:
     """The grid: W deferral x (V only) backward order; depth is swept per policy."""
     b_orders = ("old", "up") if prob.v_shape else ("old",)
     return [
@@ -327,24 +102,53 @@ def _policies(prob: _Problem) -> list[Policy]:
     ]
 
 
-def _sweep(prob: _Problem, cap: float) -> list[_Candidate]:
-    """Every grid policy with one uniform depth 1, 2, ... until the depth stops binding."""
+def _ladder(m: int) -> list[int]:
+    """Depths 1, 2, 3, 4, 5, 8, 11, ... (x1.4) up to m: the sweep of a large problem."""
+    out, d = [], 1.0
+    while round(d) <= m:
+        if not out or round(d) != out[-1]:
+            out.append(round(d))
+        d *= 1.4
+    return out if out[-1] == m else [*out, m]
+
+
+def _sweep_policy(prob: Problem, cap: float, base: Policy, depths: list[int]) -> list[_Candidate]:
+    """`base` with each uniform depth in turn, until the depth stops binding."""
     out = []
-    for base in _policies(prob):
-        for d in range(1, prob.m + 1):
-            policy = replace(base, depth=(d,) * prob.p)
-            run = _greedy(prob, cap, policy)
-            if run is None:
-                break
-            out.append(_Candidate(run.makespan, policy, run))
-            if not run.depth_bound:
-                out[-1].policy = replace(base, depth=None)
-                break
+    for d in depths:
+        policy = replace(base, depth=(d,) * prob.p)
+        run = list_schedule(prob, cap, policy)
+        if run is None:
+            break
+        out.append(_Candidate(run.makespan, policy, run))
+        if not run.depth_bound:
+            out[-1].policy = replace(base, depth=None)
+            break
     return out
 
 
-def _descend(prob: _Problem, cap: float, start: _Candidate, max_evals: int) -> _Candidate:
-    """Coordinate descent on each rank's depth and on the W deferral: keep strict gains."""
+def _sweep(prob: Problem, cap: float, every: bool = True) -> list[_Candidate]:
+    """Every grid policy with every uniform depth (small problems); for large ones the first
+    policy over the ladder, then the others at the best ladder depth and its neighbours."""
+    policies = _policies(prob)
+    if every:
+        depths = list(range(1, prob.m + 1))
+        return [c for base in policies for c in _sweep_policy(prob, cap, base, depths)]
+    ladder = _ladder(prob.m)
+    out = _sweep_policy(prob, cap, policies[0], ladder)
+    if not out:
+        return out
+    best = min(out, key=lambda c: c.makespan)
+    at = ladder.index(best.policy.depth[0]) if best.policy.depth else len(ladder) - 1
+    near = ladder[max(0, at - 1) : at + 2]
+    for base in policies[1:]:
+        out += _sweep_policy(prob, cap, base, near)
+    return out
+
+
+def _descend(prob: Problem, cap: float, start: _Candidate, max_evals: int) -> _Candidate:
+    """Coordinate descent on the depth of all ranks at once (steps of 1/8 of it down to 1),
+    then of each rank, and on the W deferral: keep strict gains."""
     best = start
     depth = list(best.policy.depth or (prob.m,) * prob.p)
     evals = 0
@@ -352,6 +156,15 @@ def _descend(prob: _Problem, cap: float, start: _Candidate, max_evals: int) -> _
     while improved and evals < max_evals:
         improved = False
         moves: list[Policy] = []
+        step = max(1, max(depth) // 8)
+        while True:
+            for sign in (-1, 1):
+                d = [x + sign * step for x in depth]
+                if min(d) >= 1 and max(d) <= prob.m:
+                    moves.append(replace(best.policy, depth=tuple(d)))
+            if step == 1:
+                break
+            step //= 2
         for r in range(prob.p):
             for step in (-1, 1):
                 d = depth[:]
@@ -365,7 +178,7 @@ def _descend(prob: _Problem, cap: float, start: _Candidate, max_evals: int) -> _
             if evals >= max_evals:
                 break
             evals += 1
-            run = _greedy(prob, cap, policy)
+            run = list_schedule(prob, cap, policy)
             if run is not None and _faster(run.makespan, best.makespan):
                 best = _Candidate(run.makespan, policy, run)
                 depth = list(policy.depth or (prob.m,) * prob.p)
@@ -379,7 +192,7 @@ def _descend(prob: _Problem, cap: float, start: _Candidate, max_evals: int) -> _
 def min_budget(p: int, costs_for: CostsFor) -> float:
     """The least peak memory any schedule can have: one microbatch's activations on the
     fullest rank, on the better placement (the greedy with depth 1 reaches it)."""
-    return min(_Problem.build(p, 1, costs_for, v).floor for v in (False, True))
+    return min(Problem.build(p, 1, costs_for, v).floor for v in (False, True))
 
 
 def fixed_points(p: int, m: int, costs_for: CostsFor) -> list[Found | tuple[str, str]]:
@@ -396,12 +209,31 @@ def fixed_points(p: int, m: int, costs_for: CostsFor) -> list[Found | tuple[str,
     return out
 
 
-def _effort(p: int, m: int) -> tuple[int, int]:
-    """(candidates improved per placement, greedy runs for each): about two million
-    simulated actions in all, so p=8, m=32 takes a few seconds and huge cases stay bounded."""
+GREEDY_ACTIONS = 8_000_000
+"""Actions the list scheduler may place per placement in one search (about 20 s of CPU): it
+bounds the search at every size (p = 64, m = 256 stays under a minute in all)."""
+
+
+def _effort(p: int, m: int) -> tuple[int, int, bool]:
+    """(candidates improved per placement, greedy runs for each, whether the depth sweep may
+    try every depth): small problems get the full sweep and a descent of about two million
+    simulated actions (at least 2p steps), large ones what `GREEDY_ACTIONS` leaves after the
+    ladder sweep."""
     keep = 6
-    runs = min(24 * p * keep, 2_000_000 // (6 * p * m))
-    return keep, max(runs // keep, 2 * p)
+    runs = GREEDY_ACTIONS // (6 * p * m)
+    every = 6 * m <= runs // 2  # the full sweep costs at most half of the budget
+    swept = 6 * m if every else len(_ladder(m)) + 15
+    wanted = max(min(24 * p * keep, 2_000_000 // (6 * p * m)) // keep, 2 * p)
+    return keep, max(1, min(wanted, (runs - swept) // keep)), every
+
+
+REFINED = 3
+"""How many of the fastest candidates `refine` improves under the deck's costs."""
+
+
+def _refine_evals(p: int, m: int) -> int:
+    """Simulations per refined candidate: about four million simulated actions each."""
+    return max(40, min(1500, 4_000_000 // (6 * p * m)))
 
 
 def search(
@@ -427,19 +259,32 @@ def search(
     def add(found: Found) -> None:
         pool.append((found.makespan, found.peak, len(pool), found))
 
-    keep, max_evals = _effort(p, m)
+    keep, max_evals, every = _effort(p, m)
     for v_shape in (True, False):
-        prob = _Problem.build(p, m, costs_for, v_shape)
-        cands = sorted(_sweep(prob, cap), key=lambda c: c.makespan)
+        prob = Problem.build(p, m, costs_for, v_shape)
+        cands = sorted(_sweep(prob, cap, every), key=lambda c: c.makespan)
+        if not every:  # the budget goes to the best candidate's descent
+            keep, max_evals = 1, max_evals * keep
         improved = [_descend(prob, cap, c, max_evals) for c in cands[:keep]]
         for cand in sorted(improved, key=lambda c: c.makespan)[:2]:
             how = "greedy: " + cand.policy.describe()
-            sched = _to_schedule(prob, cand.run, (("how", how),))
+            sched = run_to_schedule(prob, cand.run, (("how", how),))
             result = simulate(sched, prob.costs)
             add(Found(sched, result.makespan, float(result.peak_memory.max()), how))
     for item in fixed if fixed is not None else fixed_points(p, m, costs_for):
         if isinstance(item, Found) and _fits(item.peak, cap):
             add(item)
+    ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
+    budget_evals = _refine_evals(p, m)
+    for *_, found in ranked[:REFINED]:
+        if found.schedule.pairs.size:
+            continue
+        sched, result, _ = refine(
+            found.schedule, costs_for(found.schedule.num_stages), budget, budget_evals
+        )
+        if _faster(result.makespan, found.makespan):
+            how = "refined " + found.how
+            add(Found(sched, result.makespan, float(result.peak_memory.max()), how))
     valid = sorted(
         (entry for entry in pool if _fits(entry[1], cap)), key=lambda e: (e[0], e[1], e[2])
     )
@@ -480,7 +325,7 @@ def pareto_front(
     while True:
         found = search(p, m, costs_for, budget, fixed=fixed)
         found_all.append(found)
-        budget = found.peak - 3 * _REL * max(1.0, found.peak)
+        budget = found.peak - 3 * REL * max(1.0, found.peak)
         if not _fits(floor, budget):
             break
     front: list[Found] = []

@@ -7,25 +7,36 @@ chunk-0 forwards, then F B W of chunk 0 alternating with F B W of chunk 1, then 
 runs backwards first and weights last). Peak memory p, like 1F1B, and with T_F = T_B = T_W no
 gap inside any rank's span once m >= 2p-1.
 
+With m < 2p-1 the hand-written order (built for 2p-1 microbatches, the extra ones dropped)
+leaves gaps; there (up to p = 64) the generator also builds the paper's greedy (`vgreedy`) and
+the list scheduler at ZB-V's memory (p) and keeps the fastest.
+
 V-Min and V-Half (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): a schedule
 is one building block, the F/B/W of a single microbatch on every stage with fixed time offsets,
 repeated every 6 chunk-time units (F+B+W of both chunks). A rank's peak memory is the lifespan
 of its activations in the block (F start to W end) divided by that period, so choosing the
-offsets chooses the memory. We place the offsets greedily in data-flow order, each at the
-first time its input is ready whose slot modulo 6 is still free on that rank; the descent
-(stages 0..p-1) steps by 1 unit per stage. V-Min also climbs back (stages p..2p-1) by 1 unit:
-the shortest lifespans, peak (p+4)//3, bubble rate about 2p/(3m). V-Half climbs by 2 units:
-peak (p+2)//2 and bubble rate about p/(2m) (both as published, for every p we test). The
-repeated order is then squeezed by the simulator (actions run as soon as their inputs allow).
-Any m >= 1 works.
+offsets chooses the memory. Two constructions compete, and the faster under unit costs wins
+(ties: the first):
+
+1. Our block: offsets placed greedily in data-flow order, each at the first time its input is
+   ready whose slot modulo 6 is still free on that rank; the descent (stages 0..p-1) steps by 1
+   unit per stage, the climb back by 1 (V-Min) or 2 (V-Half); the repeated order is squeezed
+   by the simulator. Linear in the number of actions: the only one used above p = 64.
+2. The paper's block, repeated and compacted on a unit grid (`blocks`) as the paper builds it.
+
+Both hold the published peaks, (p+4)//3 (V-Min) and (p+2)//2 (V-Half) full-stage
+microbatches, for every p we test; bubble rates about 2p/(3m) and p/(2m). Any m >= 1 works.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hpcpipe.schedules._build import check_pm, concat, phase
+from hpcpipe.schedules._build import COMPACT_MAX_P, check_pm, concat, fastest, phase
+from hpcpipe.schedules.blocks import compacted_v, half_block, min_block
 from hpcpipe.schedules.ir import Kind, Schedule
+from hpcpipe.schedules.listsched import unit_list_schedule
+from hpcpipe.schedules.vgreedy import v_greedy_orders
 
 __all__ = ["building_block", "repeat_block", "v_half", "v_min", "v_placement", "zb_v"]
 
@@ -41,8 +52,17 @@ def v_placement(p: int) -> list[tuple[int, int]]:
 
 
 def zb_v(p: int, m: int) -> Schedule:
-    """ZB-V; any m >= 1 (built for max(m, 2p-1) microbatches, then the extra ones dropped)."""
+    """ZB-V, peak p; any m >= 1 (m < 2p-1: the faster of the truncated order and the list
+    scheduler at memory p)."""
     check_pm("zb-v", p, m)
+    written = _zb_v_written(p, m)
+    if m >= 2 * p - 1 or p > COMPACT_MAX_P:
+        return written
+    greedy = v_greedy_orders(p, m, 2 * p)
+    return fastest([written, unit_list_schedule("zb-v", p, m, True, float(p)), *greedy], p)
+
+
+def _zb_v_written(p: int, m: int) -> Schedule:
     n = max(2 * p - 1, m)
     loops = n - p
     per_rank = []
@@ -155,13 +175,21 @@ def repeat_block(name: str, p: int, m: int, offsets: np.ndarray, params=()) -> S
     )
 
 
+def _controllable(name: str, p: int, m: int, climb: int, paper_block) -> Schedule:
+    params = (("p", p), ("m", m))
+    ours = repeat_block(name, p, m, building_block(p, climb), params)
+    if p > COMPACT_MAX_P:
+        return ours
+    return fastest([ours, compacted_v(name, p, m, paper_block(p), params)], p)
+
+
 def v_min(p: int, m: int) -> Schedule:
     """V-Min: the shortest lifespans; peak (p+4)//3 full-stage microbatches."""
     check_pm("v-min", p, m)
-    return repeat_block("v-min", p, m, building_block(p, 1), (("p", p), ("m", m)))
+    return _controllable("v-min", p, m, 1, min_block)
 
 
 def v_half(p: int, m: int) -> Schedule:
     """V-Half: half of 1F1B's memory, (p+2)//2, for a smaller bubble than V-Min."""
     check_pm("v-half", p, m)
-    return repeat_block("v-half", p, m, building_block(p, 2), (("p", p), ("m", m)))
+    return _controllable("v-half", p, m, 2, half_block)

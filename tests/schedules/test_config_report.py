@@ -77,7 +77,10 @@ def test_plan_report_draws_and_compares():
     assert "*zb-v" in text
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "v-half", "v-min"):
         assert f"\n {name} " in text
-    assert " 1f1b              1         33   27.3%     27.3%         4  (p-1)(F+B+W)" in text
+    assert (
+        " 1f1b              1         33   27.3%     27.3%         4       27  22.2%  (p-1)(F+B+W)"
+        in text
+    )
 
 
 def test_compare_skips_unsupported_schedules_with_the_reason():

@@ -97,8 +97,8 @@ def test_peak_activation_memory(p):
 def test_v_half_and_v_min_bubble_rates(p):
     m = 8 * p
     half, vmin, onef1b = (run(n, p, m).stage_bubble_fraction for n in ("v-half", "v-min", "1f1b"))
-    # published: about p/(2m) and 2p/(3m); ours come out at or a little under/over
-    assert half == pytest.approx(p / (2 * m), rel=0.25)
+    # published: about p/(2m) and 2p/(3m); ours come out at or under (V-Half compacted)
+    assert half <= p / (2 * m) * 1.25
     assert vmin <= 2 * p / (3 * m) * 1.05
     assert half < vmin < onef1b
 

@@ -1,0 +1,296 @@
+"""List scheduling under a per-rank memory cap: the engine of the schedule search and of the
+generators that have no closed form for small m (ZB-V and ZB-H2 with m < 2p-1).
+
+An event-driven simulation in which a free rank starts the best of its ready actions (a B
+first, then the oldest F that fits under the cap, deferred Ws last or once too many pend), on
+one stage per rank or on the V placement (rank r holds stages r and 2p-1-r). A `Policy` sets
+the choices where several actions can run.
+
+Deadlock freedom: a rank admits a new microbatch (its first-chunk F) only if the first-chunk
+activations of the microbatches still waiting for their second chunk, plus the new one and one
+second chunk, fit under the cap. Then the oldest unfinished microbatch can always make progress
+on every rank, so for any cap at or above one microbatch's activations on the fullest rank
+(`Problem.floor`) the greedy completes (the policy knobs only reorder what is allowed).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcpipe.schedules.ir import Kind, Schedule
+from hpcpipe.schedules.simulate import CostModel
+
+__all__ = [
+    "CostsFor",
+    "Policy",
+    "Problem",
+    "Run",
+    "list_schedule",
+    "run_to_schedule",
+    "unit_costs",
+    "unit_list_schedule",
+]
+
+CostsFor = Callable[[int], CostModel]
+"""Number of stages -> the cost model of a schedule with that many stages (`cost_model`)."""
+
+_F, _B, _W = int(Kind.F), int(Kind.B), int(Kind.W)
+_INF = math.inf
+REL = 1e-9  # relative tolerance of every memory and time comparison
+
+
+def unit_costs(p: int) -> CostsFor:
+    """F = B = W = 1 and one unit of activations per full stage (1/p of the model), each
+    stage of an S-stage schedule its share: the costs the published figures assume."""
+    return lambda stages: CostModel(
+        t_f=p / stages, t_b=p / stages, t_w=p / stages, activation=p / stages
+    )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The greedy's choices where several actions can run.
+
+    `w_limit`: once more than this many Ws are deferred on a rank, it runs the oldest before
+    anything else (None: W only fills time when nothing else can run, or frees memory).
+    `b_order` (V placement): when both of a rank's backwards are ready, "old" runs the older
+    microbatch first, "up" the stage nearer the loss. `depth[r]`: the most microbatches rank r
+    may hold at once (None: only the memory cap limits it).
+    """
+
+    v_shape: bool
+    w_limit: int | None = None
+    b_order: str = "old"
+    depth: tuple[int, ...] | None = None
+
+    def describe(self) -> str:
+        parts = ["V placement" if self.v_shape else "one stage per rank"]
+        parts.append("W deferred freely" if self.w_limit is None else f"W after {self.w_limit}")
+        if self.v_shape:
+            parts.append("older B first" if self.b_order == "old" else "B near the loss first")
+        if self.depth is not None:
+            parts.append("depth " + ",".join(map(str, self.depth)))
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One placement's per-stage costs as plain lists: the greedy reads them per action."""
+
+    p: int
+    m: int
+    v_shape: bool
+    stages_of: tuple[tuple[int, ...], ...]
+    rank_of: tuple[int, ...]
+    dur: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]  # F, B, W per stage
+    act: tuple[float, ...]
+    b_frees: float
+    comm: float
+    costs: CostModel
+
+    @classmethod
+    def build(cls, p: int, m: int, costs_for: CostsFor, v_shape: bool) -> Problem:
+        stages_of = tuple((r, 2 * p - 1 - r) if v_shape else (r,) for r in range(p))
+        S = 2 * p if v_shape else p
+        costs = costs_for(S)
+        arr = costs.stage_arrays(S)
+        rank_of = [0] * S
+        for r, row in enumerate(stages_of):
+            for s in row:
+                rank_of[s] = r
+        return cls(
+            p=p,
+            m=m,
+            v_shape=v_shape,
+            stages_of=stages_of,
+            rank_of=tuple(rank_of),
+            dur=(
+                tuple(arr["t_f"].tolist()),
+                tuple(arr["t_b"].tolist()),
+                tuple(arr["t_w"].tolist()),
+            ),
+            act=tuple(arr["activation"].tolist()),
+            b_frees=costs.b_frees,
+            comm=costs.comm_time,
+            costs=costs,
+        )
+
+    @property
+    def floor(self) -> float:
+        """Least possible peak: one microbatch's activations on the fullest rank."""
+        return max(sum(self.act[s] for s in row) for row in self.stages_of)
+
+
+@dataclass(frozen=True)
+class Run:
+    order: tuple[tuple[tuple[int, int, int], ...], ...]  # per rank: (kind, stage, microbatch)
+    makespan: float
+    depth_bound: bool  # whether the depth limit ever refused a forward
+
+
+def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
+    """Event-driven list scheduling under a per-rank memory cap (see the module docstring).
+
+    A rank that becomes free looks at the next F and B of each of its stages (microbatches
+    in order on a stage) and its deferred Ws, and starts one by `policy`; when nothing is
+    ready it sleeps until its next input arrives. Returns None if the cap is below one
+    microbatch's activations on some rank.
+    """
+    p, m = prob.p, prob.m
+    S = len(prob.rank_of)
+    stages_of, rank_of, act = prob.stages_of, prob.rank_of, prob.act
+    t_f, t_b, t_w = prob.dur
+    comm, b_frees = prob.comm, prob.b_frees
+    limit = cap + REL * max(1.0, abs(cap))
+    if prob.floor > limit:
+        return None
+    depth = policy.depth or (m,) * p
+    w_limit = policy.w_limit
+    up_first = policy.b_order == "up"
+    f_in = [[_INF] * m for _ in range(S)]  # when each F's input arrives
+    b_in = [[_INF] * m for _ in range(S)]
+    f_in[0] = [0.0] * m
+    nf = [0] * S  # next microbatch to run F (B) on each stage
+    nb = [0] * S
+    live = [0.0] * p
+    held = [0] * p  # microbatches between their first F and first-stage W on the rank
+    waiting = [0.0] * p  # first-chunk activations of microbatches not yet on their second chunk
+    second = [sum(act[x] for x in row[1:]) for row in stages_of]
+    deferred: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (stage, mb) owing W
+    planned = [0.0] * p  # when each rank next looks for work
+    left = [3 * m * len(row) for row in stages_of]
+    order: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
+    heap = [(0.0, r) for r in range(p)]
+    makespan = 0.0
+    depth_bound = False
+
+    def arrive(q: int, at: float, free_at: float) -> None:
+        at = max(at, free_at)
+        if at < planned[q]:
+            planned[q] = at
+            heapq.heappush(heap, (at, q))
+
+    free = [0.0] * p
+    while heap:
+        t, r = heapq.heappop(heap)
+        if t != planned[r] or not left[r]:
+            continue
+        row = stages_of[r]
+        owed = deferred[r]
+        choice = None
+        if owed and w_limit is not None and len(owed) > w_limit:
+            choice = (_W, *owed[0])
+        if choice is None:
+            for s in row if not up_first else row[::-1]:
+                j = nb[s]
+                if (
+                    j < m
+                    and b_in[s][j] <= t
+                    and (choice is None or (not up_first and j < choice[2]))
+                ):
+                    choice = (_B, s, j)
+        if choice is None:
+            for s in row[::-1]:  # the second chunk carries an older microbatch
+                i = nf[s]
+                if i >= m or f_in[s][i] > t or live[r] + act[s] > limit:
+                    continue
+                if s == row[0]:
+                    if waiting[r] + act[s] + second[r] > limit:
+                        continue
+                    if held[r] >= depth[r]:
+                        depth_bound = True
+                        continue
+                if choice is None or i < choice[2]:
+                    choice = (_F, s, i)
+        if choice is None and owed:
+            choice = (_W, *owed[0])
+        if choice is None:
+            nxt = _INF
+            for s in row:
+                if nb[s] < m and b_in[s][nb[s]] > t:
+                    nxt = min(nxt, b_in[s][nb[s]])
+                if nf[s] < m and f_in[s][nf[s]] > t:
+                    nxt = min(nxt, f_in[s][nf[s]])
+            planned[r] = nxt
+            if nxt < _INF:
+                heapq.heappush(heap, (nxt, r))
+            continue
+        kind, s, i = choice
+        order[r].append(choice)
+        left[r] -= 1
+        if kind == _F:
+            end = t + t_f[s]
+            nf[s] += 1
+            live[r] += act[s]
+            if s == row[0]:
+                held[r] += 1
+                if len(row) > 1:
+                    waiting[r] += act[s]
+            else:
+                waiting[r] -= act[row[0]]
+            if s == S - 1:
+                b_in[s][i] = end
+            else:
+                q = rank_of[s + 1]
+                f_in[s + 1][i] = end + (comm if q != r else 0.0)
+                arrive(q, f_in[s + 1][i], free[q])
+        elif kind == _B:
+            end = t + t_b[s]
+            nb[s] += 1
+            live[r] -= b_frees * act[s]
+            owed.append((s, i))
+            if s > 0:
+                q = rank_of[s - 1]
+                b_in[s - 1][i] = end + (comm if q != r else 0.0)
+                arrive(q, b_in[s - 1][i], free[q])
+        else:
+            end = t + t_w[s]
+            owed.remove((s, i))
+            live[r] -= (1.0 - b_frees) * act[s]
+            if s == row[0]:
+                held[r] -= 1
+        makespan = max(makespan, end)
+        free[r] = planned[r] = end
+        heapq.heappush(heap, (end, r))
+    if any(left):  # unreachable for cap >= floor (see the module docstring); kept as a guard
+        return None
+    return Run(tuple(tuple(o) for o in order), makespan, depth_bound)
+
+
+def run_to_schedule(prob: Problem, run: Run, params: Iterable[tuple[str, object]]) -> Schedule:
+    """The greedy's order as a Schedule named "auto" (the search renames what it returns)."""
+    per_rank = []
+    for rows in run.order:
+        arr = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        per_rank.append((arr[:, 0], arr[:, 1], arr[:, 2]))
+    return Schedule.from_arrays("auto", prob.stages_of, prob.m, per_rank, params=params)
+
+
+def unit_list_schedule(name: str, p: int, m: int, v_shape: bool, cap: float) -> Schedule:
+    """The fastest greedy order under unit costs and a cap (full-stage microbatches), over the
+    W-deferral and backward-order policies: the generators' schedule where no closed form
+    reaches the bound (ZB-V and ZB-H2 with m < 2p-1)."""
+    prob = Problem.build(p, m, unit_costs(p), v_shape)
+    best: Run | None = None
+    for w_limit in (None, 1, 2):
+        for b_order in ("old", "up") if v_shape else ("old",):
+            run = list_schedule(prob, cap, Policy(v_shape, w_limit, b_order))
+            if run is not None and (best is None or run.makespan < best.makespan - REL):
+                best = run
+    if best is None:
+        raise ValueError(f"{name}: a cap of {cap:g} microbatches is below one microbatch")
+    return Schedule.from_arrays(
+        name,
+        prob.stages_of,
+        m,
+        [
+            (a[:, 0], a[:, 1], a[:, 2])
+            for a in (np.asarray(o, np.int64).reshape(-1, 3) for o in best.order)
+        ],
+        params=(("p", p), ("m", m)),
+    )
