@@ -67,6 +67,11 @@ def _name(kind: int, stage: int, mb: int) -> str:
     return f"{stage}{Kind(int(kind)).name}{mb}"
 
 
+_last: list[ComputeTable] = []
+"""The most recent table: validating and then simulating one schedule (what `hpcpipe plan`
+and a job's start do) builds it once; a Schedule is immutable, so identity is enough."""
+
+
 def compute_table(schedule: Schedule) -> ComputeTable:
     """Check what needs no timing and return the dependency arrays.
 
@@ -74,6 +79,14 @@ def compute_table(schedule: Schedule) -> ComputeTable:
     and either one B and one W or one BW; on a rank, F comes before its B, B before its W, and
     where consecutive stages share a rank (the V turnaround) their order respects the data flow.
     """
+    if _last and _last[0].schedule is schedule:
+        return _last[0]
+    table = _build_table(schedule)
+    _last[:] = [table]
+    return table
+
+
+def _build_table(schedule: Schedule) -> ComputeTable:
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     rank_of = schedule.rank_of_stage.astype(np.int32)
     all_ranks = np.repeat(np.arange(p, dtype=np.int32), np.diff(schedule.offsets))

@@ -270,10 +270,9 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
 
     # live activations after each action, in each rank's order (= time order on that rank)
     share = np.array([1.0, -costs.b_frees, costs.b_frees - 1.0, -1.0])
-    delta = arrays["activation"][table.stage]
-    delta *= share[table.kind]
-    live = np.cumsum(delta)
-    del delta
+    change = np.outer(arrays["activation"], share)  # (stage, kind) -> activation change
+    live = change[table.stage, table.kind]
+    np.cumsum(live, out=live)
     base = np.concatenate(([0.0], live))[table.offsets[:-1]]
     peak = np.maximum(_segment(np.maximum.reduceat, live, table.offsets, 0.0) - base, 0.0)
     del live
