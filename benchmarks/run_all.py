@@ -1,6 +1,6 @@
 """Regenerate every figure and the performance report: one command.
 
-    python benchmarks/run_all.py             # about 10 minutes on 2 cores
+    python benchmarks/run_all.py             # about 15 minutes on 2 cores
     python benchmarks/run_all.py --only p2p_latency,pipeline_step
 
 Runs each figure script (each writes benchmarks/results/<figure>.json, some a .png), then
@@ -28,6 +28,7 @@ FIGURES = (
     "ckpt_bandwidth",
     "trace_overhead",
     "plan_scale",
+    "schedule_search",
 )
 
 

@@ -55,7 +55,7 @@ COLUMNS = [
 
 def _methods(
     comm: MPI.Comm, sbuf: np.ndarray, rbuf: np.ndarray
-) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+) -> tuple[dict[str, Callable[[], None]], Callable[[], None], Callable[[], None]]:
     """The ways to run one round (each leaves the last message received in `rbuf`'s place:
     raw ones in `rbuf`, the mailbox in its own buffer, copied to `rbuf` by `check`), and a
     cleanup that frees their requests and communicators."""

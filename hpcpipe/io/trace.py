@@ -544,15 +544,18 @@ class Trace:
     def config(self) -> str | None:
         return self.attrs.get("config")
 
-    @cached_property
-    def topology(self) -> dict[str, Any] | None:
-        text = self.attrs.get("topology")
+    def _json_attr(self, name: str) -> dict[str, Any] | None:
+        text = self.attrs.get(name)
         if text is None:
             return None
         try:
             return json.loads(text)
         except (TypeError, ValueError) as exc:
-            raise TraceFormatError(self.path, f"attribute 'topology' is not JSON: {exc}") from None
+            raise TraceFormatError(self.path, f"attribute {name!r} is not JSON: {exc}") from None
+
+    @cached_property
+    def topology(self) -> dict[str, Any] | None:
+        return self._json_attr("topology")
 
     @cached_property
     def schedule(self) -> Any:
@@ -570,13 +573,7 @@ class Trace:
     @cached_property
     def memory(self) -> dict[str, Any] | None:
         """The run's memory report (`predicted_peak_bytes` per pipeline rank, ...), if any."""
-        text = self.attrs.get("memory")
-        if text is None:
-            return None
-        try:
-            return json.loads(text)
-        except (TypeError, ValueError) as exc:
-            raise TraceFormatError(self.path, f"attribute 'memory' is not JSON: {exc}") from None
+        return self._json_attr("memory")
 
     def pipeline_rank(self, rank: int) -> int:
         """The schedule's rank (pp coordinate) that world rank `rank` executed."""

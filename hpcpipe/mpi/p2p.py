@@ -81,6 +81,7 @@ class Mailbox:
         shape: tuple[int, ...],
         dtype: Any,
         overlap: bool = False,
+        blocking: bool = False,
     ):
         self.comm = comm
         self.backend = backend
@@ -93,6 +94,10 @@ class Mailbox:
         where this rank makes no blocking MPI call between actions other than through this
         mailbox (which posts deferred sends before it blocks): the interpreter turns it on for
         dense models, off when MoE all-to-alls run inside F and B."""
+        self.blocking = blocking
+        """Synchronous sends (`Ssend`): a send returns once its receive is posted. What a
+        user asks for with [train] sends = "blocking"; the validator proves the order cannot
+        deadlock that way for the plan's lookahead before the run starts."""
         self.sends_deferred = 0  # device sends posted after their action (overlap at work)
         self.host_waits = 0  # times the host waited for a device event or a staging slot
         self.send_pool_overflows = 0  # staged sends beyond the plan's buffers (see _send_slot)
@@ -169,6 +174,10 @@ class Mailbox:
         self._n_posts += 1
 
     def _wait_host(self, i: int) -> Any:
+        return self._complete(i).array
+
+    def _complete(self, i: int) -> Any:
+        """Wait for receive `i` (unless a test saw it arrive) and check its size."""
         slot = self._order[i]
         status = slot.status
         if slot.arrived:
@@ -182,7 +191,7 @@ class Mailbox:
             self._wrong_size(i, status)
         slot.posted = False
         self._n_waits += 1
-        return slot.array
+        return slot
 
     def _busy(self, i: int) -> None:
         raise RuntimeError(
@@ -229,21 +238,9 @@ class Mailbox:
     def wait_recv(self, i: int) -> Any:
         """Block until receive number `i` completes; return its array (valid until the plan
         frees its buffer: after the last compute action of its stage and microbatch)."""
-        slot = self._order[i]
         if self._deferred:  # the peer may be waiting for one of them: never block on those
             self._post_deferred(block=True)
-        status = slot.status
-        if slot.arrived:
-            slot.arrived = False
-        else:
-            try:
-                slot.request.Wait(status)
-            except MPI.Exception as exc:
-                self._failed(i, exc)
-        if status.Get_count(_BYTE) != self.nbytes:
-            self._wrong_size(i, status)
-        slot.posted = False
-        self._n_waits += 1
+        slot = self._complete(i)
         if self._staged:
             array = self.backend.xp.empty(self.shape, self.dtype)
             self.backend.stage_in(array, slot.buffer, slot.name)
@@ -263,6 +260,9 @@ class Mailbox:
         """Start the step's send number `i` (`plan.sends[i]`) of `array`; it must not change
         until `drain`."""
         peer, tag = self._send_to[i]
+        if self.blocking:
+            self._send_blocking(array, i, peer, tag)
+            return
         if self._host:
             ids = self._slot_ids
             if id(array) in ids or id(array.base) in ids:
@@ -272,13 +272,7 @@ class Mailbox:
             if len(sends) >= 64:
                 self._reap()
             return
-        if array.nbytes != self.nbytes:
-            d = self.plan.sends[i]
-            raise RuntimeError(
-                f"the {'activation' if d.direction == FORWARD else 'gradient'} for stage "
-                f"{d.stage}, microbatch {d.microbatch}, has {array.nbytes} bytes, the "
-                f"pipeline's messages {self.nbytes} (shape {self.shape} {self.dtype})"
-            )
+        self._check_size(array, i)
         if self._staged:
             slot = self._send_slot(tag, peer)
             copy = self.backend.stage_out(array, slot.name)
@@ -309,6 +303,38 @@ class Mailbox:
             self.host_waits += 1
             event.synchronize()
             isend()
+
+    def _send_blocking(self, array: Any, i: int, peer: int, tag: int) -> None:
+        """`Ssend` once the bytes are there: host memory as is, device memory after its
+        producer's event (CUDA-aware) or through a staging buffer; nothing stays in flight."""
+        if self._host:
+            self.comm.Ssend(array, peer, tag)
+            return
+        self._check_size(array, i)
+        if self._staged:
+            slot = self._send_slot(tag, peer)
+            copy = self.backend.stage_out(array, slot.name)
+            if not copy.ready():
+                self.host_waits += 1
+            copy.wait()
+            self.comm.Ssend(slot.buffer, peer, tag)
+            return
+        if not array.flags.c_contiguous:
+            array = self.backend.xp.ascontiguousarray(array)
+        event = self.backend.record_event()
+        if not event.done:
+            self.host_waits += 1
+            event.synchronize()
+        self.comm.Ssend(array, peer, tag)
+
+    def _check_size(self, array: Any, i: int) -> None:
+        if array.nbytes != self.nbytes:
+            d = self.plan.sends[i]
+            raise RuntimeError(
+                f"the {'activation' if d.direction == FORWARD else 'gradient'} for stage "
+                f"{d.stage}, microbatch {d.microbatch}, has {array.nbytes} bytes, the "
+                f"pipeline's messages {self.nbytes} (shape {self.shape} {self.dtype})"
+            )
 
     def _send_slot(self, tag: int, peer: int) -> _SendSlot:
         """A free staging buffer of this channel: one whose send has completed, else a new one.

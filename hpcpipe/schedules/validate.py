@@ -19,6 +19,10 @@
    a SEND before a RECV of the same instant, running all actions in time order completes each
    RECV after its SEND. The lowering produces such orders; anything else falls back to
    simulating the execution.
+6. With `sends="blocking"` (the runtime's `[train] sends = "blocking"`), deadlock under
+   synchronous sends: a SEND completes only once its receiver has posted the receive, which
+   the runtime does `lookahead` actions before the RECV (`plan_messages`), and a RECV once its
+   SEND has started. Proved by running every rank's messages round by round with those rules.
 
 Errors are `ScheduleError`s that show the rank x step grid with the offending cells marked.
 """
@@ -33,21 +37,39 @@ from hpcpipe.schedules.ir import Kind, Schedule
 from hpcpipe.schedules.lower import lower_with_times, relocated
 from hpcpipe.schedules.simulate import run_rounds
 
-__all__ = ["validate"]
+__all__ = ["SEND_MODES", "validate"]
+
+SEND_MODES = ("nonblocking", "blocking")
 
 
-def validate(schedule: Schedule) -> Schedule:
+def validate(schedule: Schedule, *, sends: str = "nonblocking", lookahead: int = 8) -> Schedule:
     """Prove `schedule` runs; return the lowered schedule that was proved (run that one).
 
-    Raises `ScheduleError` (with the grid) for the first problem found.
+    `sends`: the runtime's send semantics, "nonblocking" (a SEND never waits) or "blocking"
+    (synchronous: a SEND waits until its receiver has posted the receive, `lookahead` actions
+    before the RECV). Raises `ScheduleError` (with the grid) for the first problem found.
     """
+    if sends not in SEND_MODES:
+        raise ValueError(f"sends must be one of {SEND_MODES}, got {sends!r}")
+    if lookahead < 1:
+        raise ValueError(f"lookahead must be >= 1 action, got {lookahead}")
     table = compute_table(schedule)
     if schedule.is_lowered:
         lowered, unit_end = schedule, None
     else:
         lowered, unit_end = lower_with_times(table)
         table = relocated(table, lowered)
-    _check_messages(lowered, table, unit_end)
+    partner = _check_messages(lowered, table, unit_end, sends == "blocking")
+    if partner is not None:
+        try:
+            _blocking_run(lowered, *partner, lookahead)
+        except ScheduleError as exc:
+            enough = _least_lookahead(lowered, *partner, lookahead)
+            raise ScheduleError(
+                f"{exc.problem}; it runs with a lookahead of {enough} action(s)",
+                lowered,
+                exc.marks,
+            ) from None
     return lowered
 
 
@@ -55,8 +77,11 @@ def _name(kind: int, stage: int, mb: int) -> str:
     return f"{stage}{Kind(kind).name}{mb}"
 
 
-def _check_messages(sched: Schedule, table: ComputeTable, unit_end: np.ndarray | None) -> None:
-    """Steps 3 and 4 on a lowered schedule (`table` positions refer to `sched`)."""
+def _check_messages(
+    sched: Schedule, table: ComputeTable, unit_end: np.ndarray | None, partners: bool = False
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Steps 3 to 5 on a lowered schedule (`table` positions refer to `sched`); with
+    `partners`, return (positions of the messages, index of each one's other end)."""
     S, m = sched.num_stages, sched.num_microbatches
     cpos = np.flatnonzero(sched.kinds >= Kind.SEND_F)
     ck = sched.kinds[cpos] - np.int8(Kind.SEND_F)  # 0 SEND_F, 1 RECV_F, 2 SEND_B, 3 RECV_B
@@ -145,13 +170,17 @@ def _check_messages(sched: Schedule, table: ComputeTable, unit_end: np.ndarray |
             np.all(cpos[sends] == table.pos[prod] + 1)
             and np.all(cpos[recvs] == table.pos[cons] - 1)
         )
-    if unit_end is not None and adjacent:
-        return  # our own lowering: the certificate holds by its construction (see below)
-    if _ordered_in_time(sched, table, cpos, slot, unit_end):
-        return
+    # our own lowering: the certificate holds by its construction (`_ordered_in_time`)
+    proven = (unit_end is not None and adjacent) or _ordered_in_time(
+        sched, table, cpos, slot, unit_end
+    )
+    if proven and not partners:
+        return None
     partner = at[slot ^ 1]  # the other end of each message
     del at, at4, slot
-    _nonblocking_run(sched, cpos, partner)
+    if not proven:
+        _nonblocking_run(sched, cpos, partner)
+    return (cpos, partner) if partners else None
 
 
 def _check_channel_order(
@@ -318,3 +347,86 @@ def _nonblocking_run(sched: Schedule, cpos: np.ndarray, partner: np.ndarray) -> 
                 marks,
             )
         ptr[act[ok]] += 1
+
+
+def _least_lookahead(sched: Schedule, cpos: np.ndarray, partner: np.ndarray, failed: int) -> int:
+    """The smallest lookahead above `failed` with which blocking sends cannot deadlock. It
+    exists: with one as long as the longest rank every receive is posted at the start, so no
+    SEND ever waits, and the nonblocking proof (step 5) already holds."""
+
+    def runs(lookahead: int) -> bool:
+        try:
+            _blocking_run(sched, cpos, partner, lookahead)
+        except ScheduleError:
+            return False
+        return True
+
+    top = int(np.diff(sched.offsets).max(initial=1))
+    lo, hi = failed, failed
+    while hi < top:  # doubling, then bisection: lo fails, hi runs
+        hi = min(2 * hi, top)
+        if runs(hi):
+            break
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if runs(mid) else (mid, hi)
+    return hi
+
+
+def _blocking_run(sched: Schedule, cpos: np.ndarray, partner: np.ndarray, lookahead: int) -> None:
+    """Step 6: every rank's messages with synchronous sends; raise on deadlock.
+
+    A rank runs its compute actions freely and stops at each message until it can complete:
+    a SEND once the receiving rank has reached the position where it posts that receive
+    (`lookahead` actions before the RECV), a RECV once the sending rank has reached the SEND.
+    """
+    p = sched.num_ranks
+    offsets = sched.offsets
+    coff = np.searchsorted(cpos, offsets)
+    holder = np.repeat(np.arange(p), np.diff(coff))
+    kinds = sched.kinds[cpos]
+    is_recv = (kinds == Kind.RECV_F) | (kinds == Kind.RECV_B)
+    start = offsets[holder]
+    post = np.where(is_recv, start + np.maximum(0, cpos - start - lookahead + 1), -1)
+    need = np.where(is_recv, cpos[partner], post[partner])  # where the other rank must be
+    who = holder[partner]
+    reached = offsets[:-1].copy()  # every action before this one has run, on each rank
+    nxt = coff[:-1].copy()
+    stop = coff[1:]
+    while True:
+        act = np.flatnonzero(nxt < stop)
+        if not act.size:
+            return
+        j = nxt[act]
+        reached[act] = cpos[j]
+        ok = reached[who[j]] >= need[j]
+        if ok.any():
+            done = act[ok]
+            reached[done] = cpos[j[ok]] + 1
+            nxt[done] += 1
+            continue
+        lines, marks = [], []
+        for jj in j[:6].tolist():
+            r, step = step_of(sched, int(cpos[jj]))
+            q = int(who[jj])
+            _, qstep = step_of(sched, int(min(reached[q], offsets[q + 1] - 1)))
+            _, wanted = step_of(sched, int(need[jj]))
+            what = (
+                f"until rank {q} reaches its SEND at step {wanted}"
+                if is_recv[jj]
+                else f"(synchronous) until rank {q} posts the receive, {lookahead} action(s) "
+                f"before its RECV: at step {wanted}"
+            )
+            lines.append(
+                f"rank {r} waits at step {step} in {_at_name(sched, int(cpos[jj]))} {what}; "
+                f"rank {q} is at step {qstep}"
+            )
+            marks.append((r, step))
+        raise ScheduleError(
+            "deadlock with blocking sends (a SEND waits for its receive to be posted): "
+            + "; ".join(lines)
+            + "; reorder the sends, raise train.recv_lookahead, or use nonblocking sends",
+            sched,
+            marks,
+        )

@@ -3,6 +3,8 @@ and `plan`): schedule, batch split, MoE, memory, stage partition, data. Pure: no
 
 from __future__ import annotations
 
+from typing import Any
+
 from hpcpipe.checks import check_paths, gib, keyed, memory_bytes
 from hpcpipe.config import Config, ConfigError
 from hpcpipe.topology import RankMap
@@ -19,7 +21,9 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
 
     source = config.source
     check_paths(config)
-    schedule, _ = runnable_schedule(config.pipeline, rankmap.pp, source)
+    schedule, lowered = runnable_schedule(config.pipeline, rankmap.pp, source)
+    if config.train.sends == "blocking":
+        _check_blocking(lowered, config)
     m = schedule.num_microbatches
     rows = config.data.global_batch
     if rows % (rankmap.dp * m):
@@ -70,6 +74,23 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
         raise ConfigError(source, key, f"cannot split the model: {exc}") from None
     if files:
         build_dataset(config.data, config.model, config.run.seed, source=source)
+
+
+def _check_blocking(lowered: Any, config: Config) -> None:
+    """Blocking sends need an order in which no send waits for a receive its peer has not
+    posted yet: prove it for the deck's lookahead, or say which lookahead works."""
+    from hpcpipe.schedules.errors import ScheduleError
+    from hpcpipe.schedules.validate import validate
+
+    lookahead = config.train.recv_lookahead
+    try:
+        validate(lowered, sends="blocking", lookahead=lookahead)
+    except ScheduleError as exc:
+        raise ConfigError(
+            config.source,
+            "train.sends",
+            f"= 'blocking' deadlocks this schedule with train.recv_lookahead = {lookahead}: {exc}",
+        ) from None
 
 
 def check_memory(config: Config, rankmap: RankMap, rows_mb: int) -> None:

@@ -63,6 +63,7 @@ class PipelineRank:
         backend: Any,
         act_shape: Sequence[int],
         recv_lookahead: int = 8,
+        blocking_sends: bool = False,
         bucket_bytes: int = 4 << 20,
         world_rank: int = 0,
         recorder: Recorder | None = None,
@@ -81,7 +82,14 @@ class PipelineRank:
         self.n_stages = len(self.rank_of_stage)
         self.chunks_per_rank = len(schedule.stages_of_rank[rank])
         self.messages = plan_messages(schedule, rank, recv_lookahead)
-        self.mailbox = Mailbox(pp_comm, backend, self.messages, self.act_shape, backend.dtype)
+        self.mailbox = Mailbox(
+            pp_comm,
+            backend,
+            self.messages,
+            self.act_shape,
+            backend.dtype,
+            blocking=blocking_sends,
+        )
         self._releases = self.messages.releases() if self.mailbox.needs_release else {}
         self.reducer = BucketedAllreduce(dp_comm, backend, bucket_bytes)
         # Dense gradients are reduced over dp; expert gradients (sharded over ep) only over

@@ -24,6 +24,13 @@ class TrainConfig:
         4.0, "data-parallel allreduce bucket size in MiB", minimum=0.001, maximum=2.0**20
     )
     recv_lookahead: int = option(8, "receives posted this many actions ahead", minimum=1)
+    sends: str = option(
+        "nonblocking",
+        "pipeline sends: nonblocking (Isend, completed at the step's end) or blocking "
+        "(Ssend: returns once the receive is posted; the plan is proved deadlock-free for "
+        "recv_lookahead before the run, or the deck is refused with the lookahead that works)",
+        choices=("nonblocking", "blocking"),
+    )
     verify: bool = option(
         False,
         "at the end, rerun on rank 0 with the single-process reference "

@@ -22,6 +22,7 @@ from hpcpipe.io.trace import EventKind, write_trace
 from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.model.models import boundary_shape, build_model, partition
 from hpcpipe.model.stage import Stage
+from hpcpipe.moe import summarize_stats
 from hpcpipe.mpi.collectives import allreduce
 from hpcpipe.mpi.p2p import TagLimitError
 from hpcpipe.runtime import RunContext
@@ -150,6 +151,7 @@ class Trainer:
                 backend=ctx.backend,
                 act_shape=boundary_shape(cfg.model, self.rows_mb),
                 recv_lookahead=cfg.train.recv_lookahead,
+                blocking_sends=cfg.train.sends == "blocking",
                 bucket_bytes=int(cfg.train.bucket_mb * 2**20),
                 world_rank=ctx.rank,
                 recorder=self.rec,
@@ -275,8 +277,6 @@ class Trainer:
         step makes one world-wide reduction (loss, norms, stop flag), not four to seven."""
         moe_local: dict[str, float] = {}
         if self.cfg.moe.enabled:
-            from hpcpipe.moe import summarize_stats
-
             if self.rec.enabled and self.runner.moe_stats:
                 # tokens this rank routed to each expert this step (zero-length events)
                 t = self.rec.now()

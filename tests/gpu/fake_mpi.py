@@ -53,6 +53,10 @@ class RecordingComm(MPI.Intracomm):
         self._check("Send", buf)
         return super().Send(buf, *args, **kwargs)
 
+    def Ssend(self, buf: Any, *args: Any, **kwargs: Any) -> None:
+        self._check("Ssend", buf)
+        return super().Ssend(buf, *args, **kwargs)
+
     def Irecv(self, buf: Any, *args: Any, **kwargs: Any) -> MPI.Request:
         self._check("Irecv", buf)
         return super().Irecv(buf, *args, **kwargs)

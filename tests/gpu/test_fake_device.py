@@ -145,7 +145,13 @@ def test_stage_in_orders_later_kernels_after_the_copy_without_blocking_the_host(
 # ------------------------------------------------------------------------- p2p ordering
 
 
-def self_mailbox(backend: Backend, overlap: bool = False, microbatches: int = 1, lookahead=1):
+def self_mailbox(
+    backend: Backend,
+    overlap: bool = False,
+    microbatches: int = 1,
+    lookahead=1,
+    blocking: bool = False,
+):
     """A mailbox on one rank that sends stage 1's activations to itself: rank 0 plays both
     ends of a two-stage pipeline, one message in flight per microbatch."""
     from hpcpipe.mpi.p2p import Mailbox
@@ -156,7 +162,29 @@ def self_mailbox(backend: Backend, overlap: bool = False, microbatches: int = 1,
     sends = tuple(Send(1, mb, 0, 0) for mb in range(m))
     plan = MessagePlan(0, receives, {2: min(m, 2)}, {2: 0}, sends, {2: min(m, 2)}, lookahead)
     comm = fake_mpi.RecordingComm(MPI.COMM_SELF.Dup())
-    return Mailbox(comm, backend, plan, (32,), np.float64, overlap=overlap)
+    return Mailbox(comm, backend, plan, (32,), np.float64, overlap=overlap, blocking=blocking)
+
+
+@pytest.mark.parametrize("cuda_aware", [True, False])
+def test_mailbox_blocking_sends_complete_before_returning(fake, cuda_aware):
+    # train.sends = "blocking": one Ssend per message once its bytes are complete (after the
+    # producer's event, or the staging copy), nothing left in flight for drain
+    fake.cuda_aware = cuda_aware
+    box = self_mailbox(fake, microbatches=4, blocking=True)
+    for mb in range(4):
+        box.post_recv(mb)
+        fake_device.reset()
+        box.send(fake_device.arange(32.0) + mb, mb)
+        assert not box._sends and not box._deferred  # completed, not queued
+        mpi = [e for e in fake_device.STATS.log if e[0] == "mpi"]
+        assert mpi == [("mpi", "Ssend", "device" if cuda_aware else "host")], mpi
+        got = box.wait_recv(mb)
+        assert np.array_equal((got * 1).view(np.ndarray), np.arange(32.0) + mb)
+        box.release(((2, mb % 2),))
+    box.drain()
+    assert fake_mpi.VIOLATIONS == []  # MPI never read bytes a kernel was still writing
+    if not cuda_aware:
+        assert fake.pinned_allocations <= 3  # one send slot reused, the plan's two receives
 
 
 def test_mailbox_direct_waits_for_an_event_not_the_stream_before_mpi(fake):

@@ -105,6 +105,57 @@ def test_greedy_built_orders_match_reference(mpirun, tmp_path, schedule):
     assert re.search(r"activations: .* counted (\[[^\]]*\]), planned \1\n", r.stdout), r.stdout
 
 
+@pytest.mark.parametrize(
+    ("schedule", "pp", "dp"), [("1f1b", 2, 2), pytest.param("zb-v", 4, 1, marks=pytest.mark.slow)]
+)
+def test_blocking_sends_at_the_least_lookahead_match_reference(mpirun, tmp_path, schedule, pp, dp):
+    # Ssend for every pipeline message, receives posted exactly as far ahead as the validator
+    # says is enough (one less deadlocks): if its model of the runtime were too optimistic,
+    # this run would hang (and time out) instead of matching the reference
+    from hpcpipe.schedules import ScheduleError, build_schedule, validate
+
+    sched = build_schedule(schedule, pp, 8)
+    with pytest.raises(ScheduleError, match=r"lookahead of (\d+)") as info:
+        validate(sched, sends="blocking", lookahead=1)
+    least = int(re.search(r"lookahead of (\d+)", str(info.value))[1])
+    r = train(
+        mpirun,
+        tmp_path,
+        pp,
+        dp,
+        "--set",
+        f"pipeline.schedule={schedule}",
+        "--set",
+        "train.sends=blocking",
+        "--set",
+        f"train.recv_lookahead={least}",
+    )
+    assert r.returncode == 0, r.output
+    assert "verify OK" in r.stdout, r.output
+
+
+def test_blocking_sends_that_would_deadlock_are_refused(mpirun, tmp_path):
+    r = train(
+        mpirun,
+        tmp_path,
+        2,
+        1,
+        "--set",
+        "pipeline.schedule=1f1b",
+        "--set",
+        "train.sends=blocking",
+        "--set",
+        "train.recv_lookahead=1",
+    )
+    assert r.returncode == 2, r.output
+    assert "train.sends = 'blocking' deadlocks this schedule with train.recv_lookahead = 1" in (
+        r.stderr
+    )
+    assert "it runs with a lookahead of 2 action(s)" in r.stderr
+    assert "[0SEND_F1]" in r.stderr  # the grid, marked
+    assert "Traceback" not in r.stderr
+
+
 def test_float32_matches_reference(mpirun, tmp_path):
     r = train(
         mpirun, tmp_path, 2, 2, "--set", "device.dtype=float32", "--set", "pipeline.schedule=zb-v"

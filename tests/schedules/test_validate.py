@@ -129,6 +129,51 @@ def test_deadlock_under_the_runtimes_semantics_is_rejected():
     assert "[0RECV_B0]" in text and "[1RECV_F0]" in text
 
 
+def test_blocking_sends_deadlock_where_nonblocking_ones_do_not():
+    # the same exchange with synchronous sends: each rank's second message waits for a
+    # receive its peer posts only one action before using it, and each peer is itself stuck
+    # in a send; two actions of lookahead post it in time
+    exchange = from_csv(
+        """
+    0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0BW0,0RECV_B1,0BW1
+    1RECV_F0,1F0,1BW0,1SEND_B0,1RECV_F1,1F1,1BW1,1SEND_B1
+    """
+    )
+    validate(exchange)  # nonblocking: fine
+    validate(exchange, sends="blocking", lookahead=2)
+    with pytest.raises(ScheduleError, match="deadlock with blocking sends") as info:
+        validate(exchange, sends="blocking", lookahead=1)
+    text = str(info.value)
+    assert (
+        "rank 0 waits at step 3 in 0SEND_F1 (synchronous) until rank 1 posts the receive, "
+        "1 action(s) before its RECV: at step 4; rank 1 is at step 3" in text
+    )
+    assert "rank 1 waits at step 3 in 1SEND_B0" in text
+    assert "it runs with a lookahead of 2 action(s)" in text
+    assert "[0SEND_F1]" in text and "[1SEND_B0]" in text
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "dualpipe-v"])
+def test_blocking_sends_need_a_lookahead_the_validator_finds(name):
+    # the least lookahead the error names is exact: it runs, one less deadlocks
+    sched = build_schedule(name, 4, 8)
+    with pytest.raises(ScheduleError, match=r"it runs with a lookahead of (\d+)") as info:
+        validate(sched, sends="blocking", lookahead=1)
+    least = int(re.search(r"it runs with a lookahead of (\d+)", str(info.value))[1])
+    validate(sched, sends="blocking", lookahead=least)
+    if least > 1:
+        with pytest.raises(ScheduleError):
+            validate(sched, sends="blocking", lookahead=least - 1)
+
+
+def test_send_mode_and_lookahead_are_checked():
+    sched = build_schedule("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="sends must be one of"):
+        validate(sched, sends="eager")
+    with pytest.raises(ValueError, match="lookahead must be >= 1"):
+        validate(sched, sends="blocking", lookahead=0)
+
+
 def test_messages_out_of_place_are_rejected():
     ok = """
     0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0BW0,0RECV_B1,0BW1
