@@ -20,6 +20,21 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def machine_facts() -> dict[str, Any]:
+    """Where a pure-computation figure ran: Python, NumPy, cores and the load at the start."""
+    import platform
+
+    import numpy as np
+
+    return {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "machine": platform.machine(),
+        "cores": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def mpiexec() -> list[str]:
     """$HPCPIPE_MPIEXEC, else the mpiexec beside this Python, else the one on PATH."""
     if os.environ.get("HPCPIPE_MPIEXEC"):

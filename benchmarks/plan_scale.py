@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
 import numpy as np
-from _common import RESULTS, ROOT
+from _common import RESULTS, ROOT, machine_facts
 
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.schedules import SCHEDULE_NAMES, build_schedule, simulate, validate
@@ -100,12 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     out = report.write(
         args.json,
         command=f"python benchmarks/plan_scale.py{' ' + shown if shown else ''}",
-        machine={
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "cores": os.cpu_count(),
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-        },
+        machine=machine_facts(),
     )
     print(f"# wrote {os.path.relpath(out, ROOT)}")
     return 0

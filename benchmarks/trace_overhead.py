@@ -21,12 +21,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import machine_facts
 
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.io.trace import EventKind, Recorder
@@ -198,13 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     report.finish()
     out = report.write(
         args.json,
-        machine={
-            "python": sys.version.split()[0],
-            "numpy": np.__version__,
-            "machine": platform.machine(),
-            "cores": os.cpu_count(),
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-        },
+        machine=machine_facts(),
         command="python benchmarks/trace_overhead.py",
     )
     print(f"# wrote {out.relative_to(Path(__file__).resolve().parent.parent)}")

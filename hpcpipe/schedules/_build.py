@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from hpcpipe.schedules.ir import Kind, Schedule
-from hpcpipe.schedules.simulate import CostModel, simulate
+from hpcpipe.schedules.listsched import unit_costs
+from hpcpipe.schedules.simulate import simulate
 
 __all__ = ["COMPACT_MAX_P", "Slot", "check_pm", "concat", "fastest", "phase"]
 
@@ -57,13 +58,16 @@ def concat(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[
 
 
 def fastest(candidates: Sequence[Schedule], p: int) -> Schedule:
-    """The candidate with the shortest makespan under unit costs (F = B = W = 1 per full
-    stage, each stage its share; ties: the earliest candidate)."""
-    share = p / candidates[0].num_stages
-    costs = CostModel(t_f=share, t_b=share, t_w=share, activation=share)
-    spans = [simulate(c, costs).makespan for c in candidates]
+    """The candidate with the shortest makespan under unit costs (ties: the earliest) among
+    those holding no more activations than the first, the schedule's defining order: a
+    generator's choice never changes the memory its name promises."""
+    costs = unit_costs(p)(candidates[0].num_stages)
+    runs = [simulate(c, costs) for c in candidates]
+    limit = float(runs[0].peak_memory.max()) * (1 + 1e-9)
     best = 0
-    for i, span in enumerate(spans):
-        if span < spans[best] - 1e-9 * max(1.0, spans[best]):
+    for i, run in enumerate(runs):
+        span = runs[best].makespan
+        fits = float(run.peak_memory.max()) <= limit
+        if fits and run.makespan < span - 1e-9 * max(1.0, span):
             best = i
     return candidates[best]

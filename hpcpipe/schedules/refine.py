@@ -45,15 +45,8 @@ def _moved(sched: Schedule, frm: int, to: int) -> Schedule:
     same rank)."""
     idx = np.arange(sched.kinds.size)
     idx = np.concatenate([idx[:to], [frm], idx[to:frm], idx[frm + 1 :]])
-    return Schedule(
-        name=sched.name,
-        stages_of_rank=sched.stages_of_rank,
-        num_microbatches=sched.num_microbatches,
-        offsets=sched.offsets,
-        kinds=sched.kinds[idx],
-        stages=sched.stages[idx],
-        microbatches=sched.microbatches[idx],
-        params=sched.params,
+    return sched.replace_actions(
+        sched.offsets, sched.kinds[idx], sched.stages[idx], sched.microbatches[idx]
     )
 
 
