@@ -21,6 +21,9 @@ For each rank r (costs per stage; F of stage s allocates `activation[s]`, held u
   total never exceeds the budget, so m x that activation-time on the rank is at most budget x
   makespan (what binds when the budget holds only a few microbatches).
 
+It holds for schedules run action by action; overlapped F&B pairs hide part of each half's
+communication (`simulate.durations`), which these terms charge in full.
+
 The bound is max over ranks of head + work + idle and of the memory x time term, and of the
 critical path of one microbatch plus m-1 passes through the slowest stage (the last of its
 m forwards or backwards starts no earlier).

@@ -83,6 +83,17 @@ def test_plan_report_draws_and_compares():
     )
 
 
+def test_compare_gives_no_bound_for_overlapped_pairs():
+    # a pair's halves hide communication the bound charges in full: no bound, no gap
+    cfg = PipelineConfig(
+        schedule="dualpipe-v", microbatches=8, overlap_pairs=True, t_alltoall=(0.5,)
+    )
+    text = plan_report(cfg, 4, compare=True)
+    row = next(line for line in text.splitlines() if line.startswith("*dualpipe-v"))
+    assert row.split()[6:8] == ["-", "-"], row
+    assert " zb-v              2 " in text and "- for overlapped pairs" in text
+
+
 def test_compare_skips_unsupported_schedules_with_the_reason():
     text = plan_report(PipelineConfig(microbatches=6), 4, compare=True)
     assert (
