@@ -85,6 +85,16 @@ class FaceChannel:
             self._sends = [s for i, s in enumerate(self._sends) if i not in done]
         return int(buf.nbytes)
 
+    def progress(self) -> None:
+        """Let MPI move the messages in flight (and reap the sends that finished): called
+        between slabs of a block, since a large message moves only while both ranks are
+        inside MPI."""
+        if self._sends:
+            done = MPI.Request.Testsome([s[0] for s in self._sends]) or ()
+            if done:
+                done = set(done)
+                self._sends = [s for i, s in enumerate(self._sends) if i not in done]
+
     def drain(self) -> None:
         """Complete every send (the end of a sweep)."""
         MPI.Request.Waitall([s[0] for s in self._sends])

@@ -12,7 +12,7 @@ from hpcpipe.checks import gib, keyed, memory_bytes
 from hpcpipe.config import Config, ConfigError
 from hpcpipe.topology import RankMap
 
-__all__ = ["check", "check_physics"]
+__all__ = ["check", "check_kernel", "check_physics"]
 
 # Sizes past which a deck cannot be a real job on one node: rejected up front rather than
 # discovered as an allocation failure (or minutes of plan building) on every rank.
@@ -49,6 +49,18 @@ def check_physics(cfg: Any, source: str) -> None:
                     "be negative and source iteration diverges. The row sum of sigma_s must "
                     "not exceed sigma_t (there is no fission model)",
                 )
+
+
+def check_kernel(cfg: Any, device: str, source: str) -> None:
+    """The kernel asked for can run on this installation and device."""
+    import numpy as np
+
+    from hpcpipe.sweep.kernel import resolve_kernel
+
+    try:
+        resolve_kernel(cfg.kernel, np if device == "cpu" else None)
+    except ValueError as exc:
+        raise ConfigError(source, "sweep.kernel", f"= {cfg.kernel!r}: {exc}") from None
 
 
 def check(config: Config, rankmap: RankMap, files: bool) -> None:
@@ -107,6 +119,7 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
             f"cells x {cfg.groups} group(s) need about {gib(need)} per rank, more than this "
             f"node's {gib(limit)} of memory",
         )
+    check_kernel(cfg, config.device.kind, source)
     try:
         unread = not files and getattr(cfg, "mesh_file", "")  # the workload reads it anyway
         problem = build_problem(dataclasses.replace(cfg, mesh_file="") if unread else cfg)

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from hpcpipe.config import option
 from hpcpipe.sweep.quadrature import LEVEL_SYMMETRIC_ORDERS, QUADRATURES
 
-__all__ = ["FACES", "SweepConfig"]
+__all__ = ["FACES", "KERNELS", "SweepConfig"]
 
 FACES: tuple[str, ...] = ("x-", "x+", "y-", "y+", "z-", "z+")
 """Domain faces in the order used for incident-flux arrays: low then high side of x, y, z."""
+
+KERNELS: tuple[str, ...] = ("auto", "numba", "numpy")
+"""Sweep kernels a deck may ask for (kernel.resolve_kernel says which one runs)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,12 @@ class SweepConfig:
     azimuthal: int = option(0, "product set: azimuths per quadrant; 0 = order / 2", minimum=0)
     scheme: str = option("dd", "spatial scheme: diamond difference or step", choices=("dd", "step"))
     fixup: bool = option(True, "diamond difference: zero negative outgoing faces and re-solve")
+    kernel: str = option(
+        "auto",
+        "sweep kernel: numba (compiled loops), numpy (vectorised hyperplanes; also on CuPy "
+        "arrays); auto = numba when it is installed and the arrays are on the host",
+        choices=KERNELS,
+    )
     z_block: int = option(0, "cells per z-block of the KBA pipeline; 0 = all of nz", minimum=0)
     angle_block: int = option(0, "directions per angle block; 0 = a whole octant", minimum=0)
     octant_order: str = option(

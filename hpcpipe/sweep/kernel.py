@@ -16,11 +16,15 @@ arithmetic instead, giving the same numbers without a device-to-host round trip 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hpcpipe.sweep.compiled import PROGRESS_UNKNOWNS, sweep_block_compiled
+from hpcpipe.sweep.compiled import available as compiled_available
+from hpcpipe.sweep.config import KERNELS
 from hpcpipe.sweep.mesh import Problem
 from hpcpipe.sweep.quadrature import OCTANTS, Quadrature
 
@@ -30,6 +34,7 @@ __all__ = [
     "angle_block",
     "block_order",
     "face_current",
+    "resolve_kernel",
     "sweep_block",
     "sweep_domain",
 ]
@@ -44,6 +49,7 @@ class BlockOrder:
     """
 
     shape: tuple[int, int, int]
+    nz: int
     octant: int
     cells: Any
     fx: Any
@@ -52,8 +58,16 @@ class BlockOrder:
     offsets: tuple[int, ...]
 
 
-def block_order(xp: Any, shape: tuple[int, int, int], nz: int, octant: int) -> BlockOrder:
-    """Hyperplane order of a block for one octant; `nz` is the z extent of the flat arrays."""
+def block_order(
+    xp: Any, shape: tuple[int, int, int], nz: int, octant: int, kernel: str = "numpy"
+) -> BlockOrder:
+    """Hyperplane order of a block for one octant; `nz` is the z extent of the flat arrays.
+
+    The numba kernel walks the block in loop order and needs no index arrays (building them
+    costs about as much as the compiled sweep of the block), so for it they are left empty.
+    """
+    if kernel == "numba":
+        return BlockOrder(shape, nz, octant, None, None, None, None, ())
     bx, by, bz = shape
     sx, sy, sz = OCTANTS[octant]
     big_i, big_j, big_k = (a.ravel() for a in np.indices(shape))
@@ -66,6 +80,7 @@ def block_order(xp: Any, shape: tuple[int, int, int], nz: int, octant: int) -> B
     offsets = tuple(int(v) for v in np.concatenate([[0], np.cumsum(counts)]))
     return BlockOrder(
         shape=shape,
+        nz=nz,
         octant=octant,
         cells=xp.asarray((i * by + j) * nz + k),
         fx=xp.asarray(j * bz + k),
@@ -80,7 +95,8 @@ class AngleBlock:
     """Per-direction constants of one block of directions, shaped to broadcast over (P, A, G).
 
     `cx` is 2|mu|/dx for diamond difference and |mu|/dx for step (likewise cy, cz); `wmu` etc.
-    are w|mu| for face currents.
+    are w|mu| for face currents. `flat` holds (cx, cy, cz, total, weights) as 1-D host arrays
+    for the compiled kernel.
     """
 
     weights: Any
@@ -91,6 +107,7 @@ class AngleBlock:
     wmu: Any
     weta: Any
     wxi: Any
+    flat: tuple[np.ndarray, ...] = ()
 
     @property
     def size(self) -> int:
@@ -121,7 +138,29 @@ def angle_block(
         xp.asarray(w * mu),
         xp.asarray(w * eta),
         xp.asarray(w * xi),
+        tuple(np.ascontiguousarray(a) for a in (cx, cy, cz, cx + cy + cz, w)),
     )
+
+
+def resolve_kernel(name: str, xp: Any = np) -> str:
+    """The kernel a sweep runs for a deck's `kernel` (config.KERNELS): auto = numba when it is
+    installed and the arrays are on the host, else numpy. Raises ValueError saying what to do
+    when the one asked for cannot run here."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown sweep kernel {name!r}; known: {', '.join(KERNELS)}")
+    if name == "auto":
+        return "numba" if xp is np and compiled_available() else "numpy"
+    if name == "numba" and xp is not np:
+        raise ValueError(
+            "the numba kernel runs on host arrays; with device.kind = 'cuda' use 'auto' or "
+            "'numpy' (the hyperplane kernel, which runs on CuPy arrays)"
+        )
+    if name == "numba" and not compiled_available():
+        raise ValueError(
+            "numba is not installed here: pip install numba, or use 'auto' (which falls "
+            "back to the NumPy kernel) or 'numpy'"
+        )
+    return name
 
 
 def face_current(face: Any, wcos: Any) -> Any:
@@ -142,20 +181,46 @@ def sweep_block(
     fz: Any,
     scheme: str = "dd",
     fixup: bool = True,
+    kernel: str = "numpy",
+    progress: Callable[[], None] | None = None,
 ) -> None:
     """Solve one block for one angle block; updates `phi` and the face arrays in place.
 
     `q` and `sigma_t` are (cells, G) over the rank's flat (bx, by, nz) arrays; `q` is the
     isotropic source per unit angular weight (scattering + fixed). The arithmetic per cell and
     direction does not depend on the blocking, so every decomposition gives the same psi.
+    `kernel` is a resolved name (`resolve_kernel`): "numba" runs compiled.py's loops instead.
+    `progress` (the executor's MPI progress) is called every so often during the block.
     """
+    if kernel == "numba":
+        sweep_block_compiled(
+            order.shape,
+            order.nz,
+            z0,
+            OCTANTS[order.octant],
+            angles.flat,
+            q,
+            sigma_t,
+            phi,
+            (fx, fy, fz),
+            scheme == "dd",
+            fixup,
+            progress,
+        )
+        return
     cells = order.cells + z0 if z0 else order.cells
     off = order.offsets
     cx, cy, cz, total = angles.cx, angles.cy, angles.cz, angles.total
     w = angles.weights
     dd = scheme == "dd"
     take = xp.take
+    per_cell = fx.shape[1] * fx.shape[2]
+    since = 0
     for h in range(len(off) - 1):
+        if progress is not None and since >= PROGRESS_UNKNOWNS:
+            progress()
+            since = 0
+        since += (off[h + 1] - off[h]) * per_cell
         s = slice(off[h], off[h + 1])
         c, ix, iy, iz = cells[s], order.fx[s], order.fy[s], order.fz[s]
         ax, ay, az = take(fx, ix, axis=0), take(fy, iy, axis=0), take(fz, iz, axis=0)
@@ -276,7 +341,9 @@ def _fixup_masked(
         face[...] = xp.where(bad, new, face)
 
 
-def sweep_domain(xp: Any, problem: Problem, q: Any, sigma_t: Any) -> tuple[Any, Any, Any]:
+def sweep_domain(
+    xp: Any, problem: Problem, q: Any, sigma_t: Any, kernel: str = "numpy"
+) -> tuple[Any, Any, Any]:
     """The serial reference: every octant over the whole mesh with all its directions at once.
 
     Returns (phi (cells, G), outflow (G,), inflow (G,)), flows being particles per second
@@ -294,7 +361,7 @@ def sweep_domain(xp: Any, problem: Problem, q: Any, sigma_t: Any) -> tuple[Any, 
     inc = problem.incident
     for octant in range(8):
         sx, sy, sz = OCTANTS[octant]
-        order = block_order(xp, mesh.shape, nz, octant)
+        order = block_order(xp, mesh.shape, nz, octant, kernel)
         faces = []
         for axis, (nf, s) in enumerate(((ny * nz, sx), (nx * nz, sy), (nx * ny, sz))):
             value = inc[2 * axis + (0 if s > 0 else 1)]
@@ -306,7 +373,7 @@ def sweep_domain(xp: Any, problem: Problem, q: Any, sigma_t: Any) -> tuple[Any, 
             + face_current(fz, angles.wxi) * (dx * dy)
         )
         sweep_block(
-            xp, order, 0, angles, q, sigma_t, phi, fx, fy, fz, problem.scheme, problem.fixup
+            xp, order, 0, angles, q, sigma_t, phi, fx, fy, fz, problem.scheme, problem.fixup, kernel
         )
         outflow += (
             face_current(fx, angles.wmu) * (dy * dz)

@@ -128,6 +128,8 @@ class Problem:
     """(6, G) incoming angular flux on the faces x-, x+, y-, y+, z-, z+ (0 = vacuum)."""
     mesh_file: str = ""
     """Sweep mesh file giving every cell's material (checked by build_problem); "" = boxes."""
+    kernel: str = "auto"
+    """The deck's sweep kernel (config.KERNELS); the sweepers resolve it for their arrays."""
 
     @property
     def groups(self) -> int:
@@ -180,6 +182,7 @@ def build_problem(cfg: SweepConfig) -> Problem:
         box_materials=cfg.box_materials,
         incident=incident,
         mesh_file=cfg.mesh_file,
+        kernel=cfg.kernel,
     )
 
 

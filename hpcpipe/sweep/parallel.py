@@ -29,7 +29,13 @@ from hpcpipe.backend import active_backend
 from hpcpipe.io.trace import EventKind, Recorder
 from hpcpipe.mpi import Comm
 from hpcpipe.mpi.faces import FaceChannel, PostedFace
-from hpcpipe.sweep.kernel import angle_block, block_order, face_current, sweep_block
+from hpcpipe.sweep.kernel import (
+    angle_block,
+    block_order,
+    face_current,
+    resolve_kernel,
+    sweep_block,
+)
 from hpcpipe.sweep.mesh import Problem
 from hpcpipe.sweep.plan import SweepPlan, SweepTask
 
@@ -78,7 +84,10 @@ class KBASweeper:
         self.x_cells = slice(ix * bx, (ix + 1) * bx)
         self.y_cells = slice(iy * by, (iy + 1) * by)
         quad, mesh = problem.quadrature, problem.mesh
-        self._orders = {o: block_order(xp, (bx, by, plan.z_block), nz, o) for o in plan.octants}
+        self.kernel = resolve_kernel(problem.kernel, xp)
+        self._orders = {
+            o: block_order(xp, (bx, by, plan.z_block), nz, o, self.kernel) for o in plan.octants
+        }
         self._angles = [
             angle_block(xp, quad, *plan.angle_range(a), mesh.spacing, problem.scheme)
             for a in range(plan.angle_blocks)
@@ -220,6 +229,8 @@ class KBASweeper:
                 fz,
                 problem.scheme,
                 problem.fixup,
+                self.kernel,
+                self.channel.progress,
             )
             t2 = now()
             if rec.enabled:

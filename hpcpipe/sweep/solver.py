@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hpcpipe.sweep.kernel import sweep_domain
+from hpcpipe.sweep.kernel import resolve_kernel, sweep_domain
 from hpcpipe.sweep.mesh import Problem
 
 __all__ = [
@@ -59,12 +59,13 @@ class SerialSweeper:
 
     def __init__(self, problem: Problem, xp: Any = np):
         self.problem, self.xp = problem, xp
+        self.kernel = resolve_kernel(problem.kernel, xp)
         self.timing = _Timing()
         self.ranks = 1
 
     def sweep(self, q: Any, sigma_t: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         t0 = time.perf_counter()
-        phi, outflow, inflow = sweep_domain(self.xp, self.problem, q, sigma_t)
+        phi, outflow, inflow = sweep_domain(self.xp, self.problem, q, sigma_t, self.kernel)
         wall = time.perf_counter() - t0
         self.timing = _Timing(wall=wall, busy=wall)
         host = (lambda a: a) if self.xp is np else self.xp.asnumpy

@@ -111,12 +111,13 @@ def _reference_sweep(problem, q, sigma_t):
     return phi.reshape(-1, groups), outflow, inflow, fixups
 
 
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
 @pytest.mark.parametrize("scheme", ["dd", "step"])
-def test_vectorised_kernel_matches_cell_by_cell_reference(scheme):
+def test_kernel_matches_cell_by_cell_reference(scheme, kernel):
     problem = build_problem(SweepConfig(**TWO_GROUP, scheme=scheme))
     cells = LocalCells(problem)
     q = cells.source(np.full((cells.cells, 2), 0.7))
-    phi, outflow, inflow = sweep_domain(np, problem, q, cells.sigma_t)
+    phi, outflow, inflow = sweep_domain(np, problem, q, cells.sigma_t, kernel)
     ref_phi, ref_out, ref_in, fixups = _reference_sweep(problem, q, cells.sigma_t)
     if scheme == "dd":
         assert fixups > 0  # the thick material-1 cells do produce negative faces
@@ -253,13 +254,21 @@ def test_slow_convergence_suggests_more_iterations():
     assert "raise sweep.max_iterations" in res.message
 
 
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
 @pytest.mark.parametrize(
     "z_block,angle_block,quadrature,order",
     [(0, 0, "level-symmetric", 4), (1, 1, "level-symmetric", 4), (2, 2, "product", 4)],
 )
-def test_blocked_single_rank_executor_equals_serial(z_block, angle_block, quadrature, order):
+def test_blocked_single_rank_executor_equals_serial(
+    z_block, angle_block, quadrature, order, kernel
+):
     cfg = SweepConfig(
-        **TWO_GROUP, quadrature=quadrature, order=order, tolerance=1e-13, max_iterations=200
+        **TWO_GROUP,
+        quadrature=quadrature,
+        order=order,
+        tolerance=1e-13,
+        max_iterations=200,
+        kernel=kernel,
     )
     problem, ref = _solve(cfg)
     plan = build_plan(1, 1, problem.mesh.shape, problem.quadrature.per_octant, z_block, angle_block)

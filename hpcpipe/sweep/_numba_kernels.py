@@ -1,0 +1,248 @@
+"""numba-compiled loops of the sweep (imported by compiled.py only when numba is installed).
+
+Each (direction, group) element of a cell is computed in kernel.py's order of operations, so the
+two kernels agree bit for bit on psi and on every face (compiled.py says why).
+
+What makes these loops fast, each found by measurement:
+- A cell's directions x groups are one flat loop of A*G elements: the face rows are contiguous
+  that way, and the per-direction coefficients and the cell's per-group source and cross
+  section are expanded to A*G once (per block, per cell). A loop over the groups alone is too
+  short (G = 8) for LLVM's unrolled vector body, which then never runs.
+- The arrays are indexed, never sliced per cell: a view costs reference counting that rivals
+  the arithmetic of a cell.
+- The loop nest `_walk` is written once and inlined with each scheme's cell functions
+  (`inline="always"`), so no loop branches on the scheme per element.
+- The fix-up: in Kripke's problem a quarter of the cells have a negative outgoing face
+  somewhere. With the fix-up on, a cell is first solved without writing its faces, counting
+  the negative ones (an integer count vectorises, a float min does not); a clean cell then
+  writes its faces, a cell with one runs the first fix-up round on all its elements at once,
+  branch-free, keeping the plain values where no face was negative; the rare cells with an
+  element still negative after that round run all three rounds (`_fixup_rounds`), which give
+  what kernel._fixup's early exit gives. Nothing in the loops calls a function: a call, even
+  one never made, slows down the loops around it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["sweep_block_loops"]
+
+_JIT = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
+
+# Cell functions share one signature: the expanded coefficients (A*G each), the cell's expanded
+# source and cross section (A*G), the flat face arrays (rows, A*G) with the cell's rows, and the
+# scratch psi (A*G) and inc (3, A*G).
+
+
+@njit(**_JIT, inline="always")
+def _dd(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover (JIT)
+    """Diamond difference without the fix-up: solve and write the outgoing faces."""
+    for e in range(psi.size):
+        ix, iy, iz = fx[rx, e], fy[ry, e], fz[rz, e]
+        p = kx[e] * ix
+        p += qe[e]
+        p += ky[e] * iy
+        p += kz[e] * iz
+        p /= se[e] + kt[e]
+        psi[e] = p
+        two = p + p
+        fx[rx, e] = two - ix
+        fy[ry, e] = two - iy
+        fz[rz, e] = two - iz
+    return 0
+
+
+@njit(**_JIT, inline="always")
+def _dd_solve(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+    """Diamond difference, faces left unwritten: psi, and how many outgoing faces are < 0."""
+    neg = 0
+    for e in range(psi.size):
+        ix, iy, iz = fx[rx, e], fy[ry, e], fz[rz, e]
+        p = kx[e] * ix
+        p += qe[e]
+        p += ky[e] * iy
+        p += kz[e] * iz
+        p /= se[e] + kt[e]
+        psi[e] = p
+        two = p + p
+        neg += (two - ix < 0.0) + (two - iy < 0.0) + (two - iz < 0.0)
+    return neg
+
+
+@njit(**_JIT, inline="always")
+def _dd_write(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+    """The outgoing faces 2 psi - in of a cell `_dd_solve` found non-negative."""
+    for e in range(psi.size):
+        two = psi[e] + psi[e]
+        fx[rx, e] = two - fx[rx, e]
+        fy[ry, e] = two - fy[ry, e]
+        fz[rz, e] = two - fz[rz, e]
+
+
+@njit(**_JIT, inline="always")
+def _dd_fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+    """A cell `_dd_solve` found a negative face in: the first fix-up round for every element
+    (elements with no negative face keep their plain values), the incoming faces kept in
+    `inc` for `_fixup_rounds` should an element still be negative after it."""
+    still = 0
+    for e in range(psi.size):
+        ax, ay, az = fx[rx, e], fy[ry, e], fz[rz, e]
+        inc[0, e] = ax
+        inc[1, e] = ay
+        inc[2, e] = az
+        p = psi[e]
+        two = p + p
+        ox, oy, oz = two - ax, two - ay, two - az
+        nx, ny, nz = ox < 0.0, oy < 0.0, oz < 0.0
+        cell, fx1, fy1, fz1 = _rebalance(kx[e], ky[e], kz[e], qe[e], se[e], ax, ay, az, nx, ny, nz)
+        bad = nx | ny | nz  # bitwise: no branch
+        fx1 = fx1 if bad else ox
+        fy1 = fy1 if bad else oy
+        fz1 = fz1 if bad else oz
+        still += (fx1 < 0.0) + (fy1 < 0.0) + (fz1 < 0.0)
+        psi[e] = cell if bad else p
+        fx[rx, e] = fx1
+        fy[ry, e] = fy1
+        fz[rz, e] = fz1
+    if still:  # rare: fixing one face made another one negative
+        _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
+
+
+@njit(**_JIT, inline="always")
+def _rebalance(k1, k2, k3, src, sig, ax, ay, az, nx, ny, nz):  # pragma: no cover (JIT)
+    """kernel._rebalance for one element: the cell value and faces with faces n* set to 0."""
+    den = sig
+    num = src
+    den = den + (0.0 if nx else k1)
+    num = num + (0.5 * k1 if nx else k1) * ax
+    den = den + (0.0 if ny else k2)
+    num = num + (0.5 * k2 if ny else k2) * ay
+    den = den + (0.0 if nz else k3)
+    num = num + (0.5 * k3 if nz else k3) * az
+    cell = num / den
+    return (
+        cell,
+        0.0 if nx else 2.0 * cell - ax,
+        0.0 if ny else 2.0 * cell - ay,
+        0.0 if nz else 2.0 * cell - az,
+    )
+
+
+@njit(**_JIT, inline="always")
+def _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+    """All three rounds for every element that had a negative face, from the incoming faces
+    in `inc`, branch-free like `_dd_fixup`. A round that fixes no new face repeats the one
+    before exactly, so three rounds give what kernel._fixup's early exit gives."""
+    for e in range(psi.size):
+        ax, ay, az = inc[0, e], inc[1, e], inc[2, e]
+        k1, k2, k3 = kx[e], ky[e], kz[e]
+        p = k1 * ax
+        p += qe[e]
+        p += k2 * ay
+        p += k3 * az
+        p /= se[e] + kt[e]
+        two = p + p
+        nx, ny, nz = two - ax < 0.0, two - ay < 0.0, two - az < 0.0
+        bad = nx | ny | nz
+        cell, ox, oy, oz = _rebalance(k1, k2, k3, qe[e], se[e], ax, ay, az, nx, ny, nz)
+        for _ in range(2):
+            nx, ny, nz = nx | (ox < 0.0), ny | (oy < 0.0), nz | (oz < 0.0)
+            cell, ox, oy, oz = _rebalance(k1, k2, k3, qe[e], se[e], ax, ay, az, nx, ny, nz)
+        if bad:
+            psi[e], fx[rx, e], fy[ry, e], fz[rz, e] = cell, ox, oy, oz
+
+
+@njit(**_JIT, inline="always")
+def _step(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover (JIT)
+    """The step scheme: every outgoing face is the cell value."""
+    for e in range(psi.size):
+        p = kx[e] * fx[rx, e]
+        p += qe[e]
+        p += ky[e] * fy[ry, e]
+        p += kz[e] * fz[rz, e]
+        p /= se[e] + kt[e]
+        psi[e] = p
+        fx[rx, e] = p
+        fy[ry, e] = p
+        fz[rz, e] = p
+    return 0
+
+
+@njit(**_JIT, inline="always")
+def _nothing(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+    """The faces are already written (schemes that write as they solve, or never fix up)."""
+
+
+@njit(**_JIT, inline="always")
+def _walk(
+    solve, finish, fixup, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy, cz, total, w, q, st,
+    phi, fx3, fy3, fz3,
+):  # fmt: skip  # pragma: no cover (JIT)
+    """The cells of x layers [i0, i1) (counted upwind) of the block in upwind loop order:
+    `solve` each; one with a negative face (a count > 0 returned) goes to `fixup`, the others
+    to `finish`; then phi += w @ psi, each group's terms added in direction order."""
+    n_a, n_g = fx3.shape[1], fx3.shape[2]
+    n_e = n_a * n_g
+    fx = fx3.reshape(fx3.shape[0], n_e)
+    fy = fy3.reshape(fy3.shape[0], n_e)
+    fz = fz3.reshape(fz3.shape[0], n_e)
+    kx, ky, kz, kt = np.empty(n_e), np.empty(n_e), np.empty(n_e), np.empty(n_e)
+    for a in range(n_a):
+        for g in range(n_g):
+            e = a * n_g + g
+            kx[e], ky[e], kz[e], kt[e] = cx[a], cy[a], cz[a], total[a]
+    psi, qe, se = np.empty(n_e), np.empty(n_e), np.empty(n_e)
+    inc = np.empty((3, n_e))
+    acc = np.empty(n_g)
+    for ii in range(i0, i1):
+        i = ii if sx > 0 else bx - 1 - ii
+        for jj in range(by):
+            j = jj if sy > 0 else by - 1 - jj
+            rz = i * by + j
+            for kk in range(bz):
+                k = kk if sz > 0 else bz - 1 - kk
+                c = rz * nz + z0 + k
+                rx = j * bz + k
+                ry = i * bz + k
+                for a in range(n_a):
+                    for g in range(n_g):
+                        qe[a * n_g + g] = q[c, g]
+                        se[a * n_g + g] = st[c, g]
+                if solve(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):
+                    fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
+                else:
+                    finish(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
+                for g in range(n_g):
+                    acc[g] = 0.0
+                for a in range(n_a):
+                    wa = w[a]
+                    for g in range(n_g):
+                        acc[g] += wa * psi[a * n_g + g]
+                for g in range(n_g):
+                    phi[c, g] += acc[g]
+
+
+@njit(**_JIT)
+def sweep_block_loops(
+    i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy, cz, total, w, q, st, phi, fx, fy, fz, dd,
+    fix,
+):  # fmt: skip  # pragma: no cover (JIT)
+    """x layers [i0, i1) of one block: diamond difference (with or without the fix-up) or
+    step; see compiled.py."""
+    if not dd:
+        _walk(
+            _step, _nothing, _nothing, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy, cz,
+            total, w, q, st, phi, fx, fy, fz,
+        )  # fmt: skip
+    elif fix:
+        _walk(
+            _dd_solve, _dd_write, _dd_fixup, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy,
+            cz, total, w, q, st, phi, fx, fy, fz,
+        )  # fmt: skip
+    else:
+        _walk(
+            _dd, _nothing, _nothing, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy, cz,
+            total, w, q, st, phi, fx, fy, fz,
+        )  # fmt: skip

@@ -1,0 +1,100 @@
+"""The compiled (numba) and NumPy sweep kernels agree: every outgoing face bit for bit, phi to
+the last bit of a sum, on every octant, on blocks that start inside the rank's z range, with
+the fix-up firing; and the deck's `kernel` key resolves as documented. One process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcpipe.config import ConfigError, load_config
+from hpcpipe.sweep import compiled
+from hpcpipe.sweep.checks import check_kernel
+from hpcpipe.sweep.config import SweepConfig
+from hpcpipe.sweep.kernel import angle_block, block_order, resolve_kernel, sweep_block
+from hpcpipe.sweep.mesh import build_problem
+from hpcpipe.sweep.solver import LocalCells
+
+TINY = Path(__file__).resolve().parents[2] / "inputs" / "sweep_tiny.toml"
+
+# thick cells (sigma_t dx / mu up to ~20) so that plain diamond difference goes negative
+THICK = SweepConfig(
+    nx=5,
+    ny=4,
+    nz=6,
+    lengths=(5.0, 2.0, 3.0),
+    groups=3,
+    sigma_t=((0.5, 1.0, 2.0), (9.0, 14.0, 20.0)),
+    sigma_s=(((0.1, 0.1, 0.0), (0.0, 0.5, 0.2), (0.0, 0.0, 1.0)),) * 2,
+    source=((1.0, 0.5, 0.2), (0.0, 0.0, 0.0)),
+    boxes=((2.0, 5.0, 0.0, 1.0, 0.0, 3.0),),
+    box_materials=(1,),
+    order=6,
+)
+
+
+def _sweep_blocks(problem, kernel: str, fixup: bool, scheme: str):
+    """All octants over the rank's z range in two z-blocks and two angle blocks (z0 > 0 for
+    the second block); returns phi and every block's outgoing faces."""
+    nx, ny, nz = problem.mesh.shape
+    cells = LocalCells(problem)
+    rng = np.random.default_rng(7)
+    q = cells.source(rng.random((cells.cells, problem.groups)))
+    phi = np.zeros((cells.cells, problem.groups))
+    n = problem.quadrature.per_octant
+    half = n // 2
+    faces = []
+    for octant in range(8):
+        order = block_order(np, (nx, ny, nz // 2), nz, octant, kernel)
+        for start, stop in ((0, half), (half, n)):
+            angles = angle_block(np, problem.quadrature, start, stop, problem.mesh.spacing, scheme)
+            shape = (stop - start, problem.groups)
+            fz = rng.random((nx * ny, *shape))  # incoming z faces differ per angle block
+            for z0 in (0, nz // 2) if octant < 4 else (nz // 2, 0):
+                fx = rng.random((ny * (nz // 2), *shape))
+                fy = rng.random((nx * (nz // 2), *shape))
+                sweep_block(
+                    np, order, z0, angles, q, cells.sigma_t, phi, fx, fy, fz, scheme, fixup, kernel
+                )
+                faces += [fx, fy, fz.copy()]
+    return phi, faces
+
+
+@pytest.mark.parametrize(("scheme", "fixup"), [("dd", True), ("dd", False), ("step", False)])
+def test_compiled_kernel_equals_numpy_kernel(scheme, fixup):
+    problem = build_problem(THICK)
+    ref_phi, ref_faces = _sweep_blocks(problem, "numpy", fixup, scheme)
+    phi, faces = _sweep_blocks(problem, "numba", fixup, scheme)
+    for got, want in zip(faces, ref_faces, strict=True):
+        np.testing.assert_array_equal(got, want)  # bit for bit: the same operations per element
+    np.testing.assert_allclose(phi, ref_phi, rtol=1e-14, atol=0)
+    if scheme == "dd":
+        negative = min(f.min() for f in ref_faces)
+        assert (negative >= 0) if fixup else (negative < 0)  # the fix-up did fire
+
+
+def test_auto_kernel_is_numba_when_installed_else_numpy(monkeypatch):
+    assert compiled.available()  # a core dependency: CI and the quick start have it
+    assert resolve_kernel("auto") == "numba"
+    assert resolve_kernel("numpy") == "numpy"
+    assert resolve_kernel("auto", xp=object()) == "numpy"  # device arrays: the array kernel
+    monkeypatch.setattr("hpcpipe.sweep.kernel.compiled_available", lambda: False)
+    assert resolve_kernel("auto") == "numpy"
+    with pytest.raises(ValueError, match="numba is not installed here: pip install numba"):
+        resolve_kernel("numba")
+
+
+def test_deck_kernel_errors_name_the_key(monkeypatch):
+    config = load_config(TINY, ["sweep.kernel=numba"])
+    check_kernel(config.sweep, "cpu", config.source)  # installed: fine
+    with pytest.raises(ConfigError) as info:
+        check_kernel(config.sweep, "cuda", config.source)
+    assert info.value.key == "sweep.kernel" and "runs on host arrays" in str(info.value)
+    monkeypatch.setattr("hpcpipe.sweep.kernel.compiled_available", lambda: False)
+    with pytest.raises(ConfigError, match="numba is not installed"):
+        check_kernel(config.sweep, "cpu", config.source)
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["sweep.kernel=fortran"])
+    assert info.value.key == "sweep.kernel"
