@@ -25,6 +25,7 @@ FIGURES = (
     "allreduce_overlap",
     "memory_peak",
     "sweep_grind",
+    "kobayashi",
     "ckpt_bandwidth",
     "trace_overhead",
     "plan_scale",

@@ -293,8 +293,12 @@ def _plan_rankmap(config: Config, world: int, ranks_per_node: int | None) -> Ran
 def _sweep_plan(config: Config, world: int, png: str | None) -> str:
     """The KBA decomposition, its predicted stages and efficiency, the wavefront over the
     rank grid and a stage chart (no MPI); `png` also draws them."""
+    import numpy as np
+
+    from hpcpipe.sweep.blocking import describe_blocking
+    from hpcpipe.sweep.kernel import resolve_kernel
     from hpcpipe.sweep.mesh import build_problem
-    from hpcpipe.sweep.plan import PlanError, plan_for, simulate
+    from hpcpipe.sweep.plan import PlanError, blocking_for, plan_for, simulate
     from hpcpipe.sweep.plan_view import plan_text, plot_plan
 
     cfg = config.sweep
@@ -307,11 +311,16 @@ def _sweep_plan(config: Config, world: int, png: str | None) -> str:
         )
     problem = build_problem(cfg)
     try:
-        plan = plan_for(cfg, problem)
+        kernel = resolve_kernel(cfg.kernel, np if config.device.kind == "cpu" else None)
+    except ValueError as exc:
+        raise ConfigError(config.source, "sweep.kernel", f"= {cfg.kernel!r}: {exc}") from None
+    try:
+        plan = plan_for(cfg, problem, kernel)
         sim = simulate(plan)
     except PlanError as exc:
         raise ConfigError(config.source, "sweep", str(exc)) from None
-    text = plan_text(plan, sim, octant_order=cfg.octant_order)
+    line = describe_blocking(blocking_for(cfg, problem, kernel), kernel)
+    text = plan_text(plan, sim, octant_order=cfg.octant_order, blocking=line)
     if png:
         text += f"\nplan picture written to {plot_plan(sim, png)}"
     return text

@@ -156,15 +156,37 @@ def _pipeline(p: argparse.ArgumentParser) -> None:
 
 @benchmark(
     "sweep",
-    "sweep grind time and parallel efficiency vs the KBA model",
+    "sweep grind time, kernel, fix-up and KBA efficiency on Kripke's problem, vs the KBA "
+    "model (and Kripke itself with --kripke)",
     "hpcpipe.bench.sweep:run",
 )
 def _sweep(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=int, default=32, help="cells per side (default 32)")
+    p.add_argument("--n", type=int, default=32, help="zones per side (default 32)")
+    p.add_argument("--iterations", type=int, default=5, help="source iterations (default 5)")
     p.add_argument(
         "--blockings",
-        default="0x0,8x10,8x5,4x5,2x2",
-        help="z_block x angle_block per parallel case (0 = whole); default 0x0,8x10,8x5,4x5,2x2",
+        default="auto,16x10,8x10,4x10,8x5",
+        help="z_block x angle_block per parallel case, auto = the plan's choice; "
+        "default auto,16x10,8x10,4x10,8x5",
+    )
+    p.add_argument(
+        "--kernel", default="auto", choices=("auto", "numba", "numpy"), help="sweep.kernel"
+    )
+    p.add_argument(
+        "--kripke",
+        default="",
+        metavar="EXE",
+        help="also run this Kripke (v1.2.x kripke.exe) on the same problem, interleaved",
+    )
+    p.add_argument(
+        "--kripke-layouts",
+        default="DGZ,DZG,GDZ,GZD,ZDG,ZGD",
+        help="Kripke data layouts to run (default all six)",
+    )
+    p.add_argument(
+        "--kripke-mpiexec",
+        default="",
+        help="launcher for multi-rank Kripke runs (default: the mpiexec beside this Python)",
     )
 
 

@@ -70,8 +70,17 @@ class SweepConfig:
         "arrays); auto = numba when it is installed and the arrays are on the host",
         choices=KERNELS,
     )
-    z_block: int = option(0, "cells per z-block of the KBA pipeline; 0 = all of nz", minimum=0)
-    angle_block: int = option(0, "directions per angle block; 0 = a whole octant", minimum=0)
+    z_block: int = option(
+        0,
+        "cells per z-block of the KBA pipeline (divides nz); 0 = chosen by the plan's cost "
+        "model (hpcpipe plan shows the choice)",
+        minimum=0,
+    )
+    angle_block: int = option(
+        0,
+        "directions per angle block (divides an octant's); 0 = chosen by the plan's cost model",
+        minimum=0,
+    )
     octant_order: str = option(
         "auto",
         "corner order: yx flips y first (8M+2(Px-1)+3(Py-1) stages), xy flips x "

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcpipe.sweep.blocking import KERNEL_COSTS, Blocking, choose_blocking
 from hpcpipe.sweep.quadrature import OCTANTS
 
 __all__ = [
@@ -27,8 +28,10 @@ __all__ = [
     "Simulation",
     "SweepPlan",
     "SweepTask",
+    "blocking_for",
     "build_plan",
     "closed_form_stages",
+    "plan_for",
     "simulate",
     "validate",
 ]
@@ -329,14 +332,43 @@ def validate(plan: SweepPlan) -> Simulation:
     return simulate(plan)
 
 
-def plan_for(cfg: Any, problem: Any) -> SweepPlan:
-    """The KBA plan of a `[sweep]` deck (`SweepConfig`) for its built `Problem`."""
+def blocking_for(cfg: Any, problem: Any, kernel: str | None = None) -> Blocking:
+    """The blocking of a `[sweep]` deck: z_block / angle_block as given, a 0 chosen by the KBA
+    cost model of the kernel that runs (`kernel`, a resolved name; None: the deck's `kernel`
+    on host arrays)."""
+    if kernel is None:
+        from hpcpipe.sweep.kernel import resolve_kernel
+
+        try:
+            kernel = resolve_kernel(cfg.kernel)
+        except ValueError:  # reported by the deck checks; the plan still shows
+            kernel = "numpy"
+    order = cfg.octant_order
+    if order == "auto":
+        order = "yx" if cfg.py <= cfg.px else "xy"
+    return choose_blocking(
+        cfg.px,
+        cfg.py,
+        problem.mesh.shape,
+        problem.quadrature.per_octant,
+        problem.groups,
+        KERNEL_COSTS[kernel],
+        cfg.z_block,
+        cfg.angle_block,
+        order,
+    )
+
+
+def plan_for(cfg: Any, problem: Any, kernel: str | None = None) -> SweepPlan:
+    """The KBA plan of a `[sweep]` deck (`SweepConfig`) for its built `Problem`, with the
+    blocking of `blocking_for`."""
+    blocking = blocking_for(cfg, problem, kernel)
     return build_plan(
         cfg.px,
         cfg.py,
         problem.mesh.shape,
         problem.quadrature.per_octant,
-        cfg.z_block,
-        cfg.angle_block,
+        blocking.z_block,
+        blocking.angle_block,
         cfg.octant_order,
     )

@@ -97,14 +97,23 @@ def _wavefront_table(front: np.ndarray, max_side: int = 16) -> str:
     return "\n".join(lines)
 
 
-def plan_text(plan: SweepPlan, sim: Simulation, *, octant_order: str, max_width: int = 100) -> str:
-    """The sweep's plan view: decomposition, predicted stages and efficiency, wavefront, chart."""
+def plan_text(
+    plan: SweepPlan,
+    sim: Simulation,
+    *,
+    octant_order: str,
+    max_width: int = 100,
+    blocking: str = "",
+) -> str:
+    """The sweep's plan view: decomposition, predicted stages and efficiency, wavefront, chart
+    (`blocking`: the line saying how the blocking was chosen)."""
     m = plan.tasks_per_octant
     order = octant_order if octant_order in ("xy", "yx") else ("yx" if plan.py <= plan.px else "xy")
     closed = closed_form_stages(plan.px, plan.py, m, order)
     ideal = 8 * m
     lines = [
         plan.describe(),
+        *([blocking] if blocking else []),
         f"predicted: {sim.stages} stages (closed form {closed}) for {ideal} tasks per rank "
         f"(8 octants x M = {m}), parallel efficiency {sim.efficiency:.3f}",
         "  (unit task time, free messages: the plan's own bound, before any kernel or link cost)",
@@ -118,11 +127,19 @@ def plan_text(plan: SweepPlan, sim: Simulation, *, octant_order: str, max_width:
 
 def deck_plan_text(cfg: Any) -> str:
     """`plan_text` of a `[sweep]` section (SweepConfig): what a dry run shows for a sweep."""
+    from hpcpipe.sweep.blocking import describe_blocking
+    from hpcpipe.sweep.kernel import resolve_kernel
     from hpcpipe.sweep.mesh import build_problem
-    from hpcpipe.sweep.plan import plan_for, simulate
+    from hpcpipe.sweep.plan import blocking_for, plan_for, simulate
 
-    plan = plan_for(cfg, build_problem(cfg))
-    return plan_text(plan, simulate(plan), octant_order=cfg.octant_order)
+    problem = build_problem(cfg)
+    try:
+        kernel = resolve_kernel(cfg.kernel)
+    except ValueError:
+        kernel = "numpy"
+    plan = plan_for(cfg, problem, kernel)
+    line = describe_blocking(blocking_for(cfg, problem, kernel), kernel)
+    return plan_text(plan, simulate(plan), octant_order=cfg.octant_order, blocking=line)
 
 
 def plot_plan(sim: Simulation, path: str | Path, *, title: str | None = None) -> Path:

@@ -186,12 +186,22 @@ class SolveResult:
     history: np.ndarray
     balance: Balance
     grind_ns: float
+    """Kripke's grind time: wall time of an iteration (median over this run's iterations after
+    its first) per unknown of the whole problem (cells x directions x groups), in ns."""
     efficiency: float
     """Measured: kernel time summed over ranks / (ranks x sweep wall time), last sweep."""
     sweep_seconds: list[float] = field(default_factory=list)
+    iteration_seconds: list[float] = field(default_factory=list)
+    """Wall time of each iteration of this run (source, sweep, convergence reduction)."""
     message: str = ""
     stopped: bool = False
     """Stopped early on a signal (not converged, not failed): continue with --resume."""
+    ranks: int = 1
+
+    @property
+    def core_grind_ns(self) -> float:
+        """`grind_ns` x ranks: the core time an unknown costs (constant under perfect scaling)."""
+        return self.grind_ns * self.ranks
 
 
 def solve(
@@ -222,25 +232,28 @@ def solve(
         )
     outflow = inflow = np.zeros(problem.groups)
     converged = stopping = False
+    walls: list[float] = []
     for it in range(state.iterations + 1, max_iterations + 1):
         if control is not None:
             control.begin(it)
+        t0 = time.perf_counter()
         phi = state.phi
         new, outflow, inflow = sweeper.sweep(cells.source(phi), cells.sigma_t)
         asked = 1.0 if control is not None and control.stop_requested() else 0.0
         local = [float(xp.abs(new - phi).max()), float(xp.abs(new).max()), sweeper.timing.wall]
         change, scale, wall, stop = (float(v) for v in sweeper.allmax(np.array([*local, asked])))
+        walls.append(time.perf_counter() - t0)  # the allmax ends the iteration on every rank
         dphi = change / scale if scale > 0 else change
         state.phi = new
         state.history.append(dphi)
         state.scales.append(scale)
         state.seconds.append(wall)
-        grind = wall * ranks / unknowns * 1e9
+        grind = walls[-1] / unknowns * 1e9
         converged = dphi <= tolerance
         final = converged or it == max_iterations or not np.isfinite(dphi)
         stopping = stop > 0 and not final
         if it % log_every == 0 or final or stopping:
-            log(f"iter {it} dphi={dphi:.3e} grind_ns={grind:.1f}")
+            log(f"iter {it} dphi={dphi:.3e} grind_ns={grind:.2f}")
         if control is not None:
             control.end(state, final, stopping)
         if final or stopping:
@@ -252,9 +265,10 @@ def solve(
         np.array([cells.emission().sum(), inflow.sum(), cells.absorption(phi).sum(), outflow.sum()])
     )
     balance = Balance(*(float(v) for v in sums))
-    # grind time over the sweeps after the first (which pays one-off setup)
-    steady = seconds[1:] or seconds
-    grind_ns = float(np.median(steady)) * ranks / unknowns * 1e9
+    # grind time over the iterations after the first (which pays one-off setup: compiling or
+    # loading the kernel, first-touch of the face buffers)
+    steady = walls[1:] or walls
+    grind_ns = float(np.median(steady)) / unknowns * 1e9
     message = ""
     if not converged and not stopping:
         message = _not_converged(problem, history, state.scales, tolerance)
@@ -267,8 +281,10 @@ def solve(
         grind_ns,
         efficiency,
         list(seconds),
+        walls,
         message,
         stopped=stopping,
+        ranks=ranks,
     )
 
 

@@ -23,11 +23,13 @@ from hpcpipe.jobcontrol import StopSignal, find_checkpoint, write_status
 from hpcpipe.mpi import Comm
 from hpcpipe.mpi.watchdog import Watchdog
 from hpcpipe.sweep import checkpointing
+from hpcpipe.sweep.blocking import describe_blocking
 from hpcpipe.sweep.config import SweepConfig
+from hpcpipe.sweep.kernel import resolve_kernel
 from hpcpipe.sweep.mesh import build_problem
 from hpcpipe.sweep.output import write_flux, write_slice_png, write_xdmf
 from hpcpipe.sweep.parallel import KBASweeper
-from hpcpipe.sweep.plan import SweepPlan, plan_for, validate
+from hpcpipe.sweep.plan import SweepPlan, blocking_for, plan_for, validate
 from hpcpipe.sweep.solver import ConvergenceError, Iterate, LocalCells, SolveResult, solve
 
 __all__ = ["run", "run_sweep"]
@@ -102,13 +104,16 @@ def run_sweep(
     directory = settings.directory(output) if output is not None or settings.dir else None
 
     problem = build_problem(cfg)
-    plan = plan_for(cfg, problem)
+    kernel = resolve_kernel(cfg.kernel, xp)
+    blocking = blocking_for(cfg, problem, kernel)
+    plan = plan_for(cfg, problem, kernel)
     predicted = validate(plan)
     log(plan.describe())
+    log(describe_blocking(blocking, kernel))
     log(
         f"sweep quadrature={problem.quadrature.name} directions={problem.quadrature.total} "
-        f"groups={problem.groups} scheme={problem.scheme} predicted_stages={predicted.stages} "
-        f"predicted_efficiency={predicted.efficiency:.3f}"
+        f"groups={problem.groups} scheme={problem.scheme} kernel={kernel} "
+        f"predicted_stages={predicted.stages} predicted_efficiency={predicted.efficiency:.3f}"
     )
 
     rec = trace.recorder(comm.rank)
@@ -156,7 +161,8 @@ def run_sweep(
         log(
             f"sweep done iterations={result.iterations} "
             f"converged={str(result.converged).lower()} "
-            f"balance={result.balance.relative_error:.2e} grind_ns={result.grind_ns:.1f} "
+            f"balance={result.balance.relative_error:.2e} grind_ns={result.grind_ns:.2f} "
+            f"core_grind_ns={result.core_grind_ns:.2f} "
             f"efficiency={result.efficiency:.3f} predicted={predicted.efficiency:.3f}"
         )
 
@@ -309,6 +315,7 @@ def _write_outputs(
         "balance_absorption": result.balance.absorption,
         "balance_outflow": result.balance.outflow,
         "grind_ns": result.grind_ns,
+        "core_grind_ns": result.core_grind_ns,
         "efficiency_measured": result.efficiency,
         "efficiency_predicted": predicted.efficiency,
         "predicted_stages": predicted.stages,

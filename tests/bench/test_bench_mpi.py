@@ -135,18 +135,54 @@ def test_pipeline_synthetic_overlapped_pairs(mpirun, tmp_path):
     assert any("F&B pairs save" in t["what"] for t in data["targets"])
 
 
+FAKE_KRIPKE = """#!/bin/sh
+# stands in for Kripke v1.2.x: checks the side-by-side flags, prints its timers
+case "$*" in
+  *"--zones 4,4,4 --groups 8 --quad 80 --legendre 0 --niter 2 --layout "*) ;;
+  *) echo "unexpected flags: $*" >&2; exit 3 ;;
+esac
+echo "TIMER_NAMES:Generate,LPlusTimes,LTimes,Population,Scattering,Solve,Source,SweepSolver,SweepSubdomain"
+echo "TIMER_DATA:0.001,0.002,0.002,0.001,0.001,0.0400,0.0001,0.0300,0.0250"
+"""
+
+
 def test_sweep(mpirun, tmp_path):
-    data = _bench(
-        mpirun, tmp_path, 2, ["sweep", "--n", "4", "--repeats", "1", "--blockings", "0x0,2x5"]
-    )
-    assert [(r["ranks"], r["z_block"], r["angle_block"]) for r in data["rows"]] == [
-        (1, 4, 10),
-        (1, 2, 2),
-        (2, 4, 10),
-        (2, 2, 5),
+    kripke = tmp_path / "kripke.exe"
+    kripke.write_text(FAKE_KRIPKE)
+    kripke.chmod(0o755)
+    args = ["sweep", "--n", "4", "--iterations", "2", "--repeats", "1"]
+    args += ["--blockings", "auto,2x5", "--kripke", str(kripke), "--kripke-layouts", "ZGD,DZG"]
+    data = _bench(mpirun, tmp_path, 2, args)
+    cases = [(r["case"], r["ranks"]) for r in data["rows"]]
+    assert cases == [
+        ("1 rank, no fixup", 1),
+        ("1 rank", 1),
+        ("1 rank, 2x10", 1),
+        ("2 x 1 rank", 1),
+        ("auto", 2),
+        ("2x5", 2),
+        ("Kripke ZGD", 1),  # in the order asked for, 1 rank first
+        ("Kripke DZG", 1),
+        ("Kripke ZGD", 2),
+        ("Kripke DZG", 2),
     ]
-    _positive(data["rows"], "sweep_s", "grind_ns", "predicted")
-    _positive(data["rows"][2:], "measured", "model")
+    _positive(data["rows"], "kernel_ns", "sweep_ns", "iter_ns", "core_ns")
+    _positive(data["rows"][4:6], "eff", "model", "ratio")
+    auto = data["rows"][4]
+    assert (auto["z_block"], auto["angle_block"]) != (0, 0)  # the plan's choice, not 0
+    # Kripke's timers, read back: Solve 0.04 s over 2 iterations of 4^3 x 80 x 8 unknowns
+    unknowns = 4**3 * 80 * 8
+    assert data["rows"][6]["iter_ns"] == pytest.approx(0.04 / 2 / unknowns * 1e9)
+    assert data["rows"][8]["eff"] == pytest.approx(0.5)  # the same Solve time on 2 ranks
+    wanted = {t["what"] for t in data["targets"]}
+    assert {"kernel / Kripke's best layout, 1 rank", "2-rank efficiency, default blocking"} <= wanted
+
+
+def test_sweep_kripke_errors_name_the_option(mpirun, tmp_path):
+    r = mpirun(2, ["bench", "sweep", "--n", "4", "--kripke", str(tmp_path / "nope")], timeout=120)
+    assert r.returncode == 2 and "--kripke" in r.output and "not a file" in r.output
+    r = mpirun(2, ["bench", "sweep", "--n", "4", "--kripke-layouts", "XYZ"], timeout=120)
+    assert r.returncode == 2 and "Kripke's layouts are DGZ" in r.output
 
 
 def test_ckpt(mpirun, tmp_path):

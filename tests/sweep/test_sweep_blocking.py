@@ -1,0 +1,98 @@
+"""The KBA blocking model: its closed form equals the plan simulator, the choice keeps what
+the deck gives, picks what the costs call for, and is what a deck with 0 gets; Kripke's deck
+is Kripke's problem. Pure: no MPI."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcpipe.config import load_config
+from hpcpipe.sweep.blocking import (
+    KERNEL_COSTS,
+    MAX_TASKS,
+    SweepCost,
+    choose_blocking,
+    predict_makespan,
+)
+from hpcpipe.sweep.mesh import build_problem
+from hpcpipe.sweep.plan import blocking_for, build_plan, plan_for, simulate
+from hpcpipe.sweep.problems import KRIPKE_BOXES, kripke_config
+
+INPUTS = Path(__file__).resolve().parents[2] / "inputs"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    px=st.integers(1, 4),
+    py=st.integers(1, 4),
+    z_blocks=st.sampled_from([1, 2, 4]),
+    angle_blocks=st.sampled_from([1, 3]),
+    order=st.sampled_from(["yx", "xy"]),
+    per_task=st.floats(0.0, 1e-3),
+    per_unknown=st.floats(1e-10, 1e-8),
+    message=st.floats(0.0, 1e-3),
+)
+def test_closed_form_equals_the_simulator(
+    px, py, z_blocks, angle_blocks, order, per_task, per_unknown, message
+):
+    shape, directions, groups = (2 * px, 3 * py, 4), 3, 2
+    zb, ab = 4 // z_blocks, directions // angle_blocks
+    cost = SweepCost(per_unknown=per_unknown, per_task=per_task, message=message, per_byte=1e-9)
+    plan = build_plan(px, py, shape, directions, zb, ab, order)
+    local = plan.local_shape
+    t = cost.task_seconds((local[0], local[1], zb), ab, groups)
+    face = max(local[1] if px > 1 else 0, local[0] if py > 1 else 0) * zb
+    m = cost.message_seconds(face, ab, groups) if px * py > 1 else 0.0
+    want = simulate(plan, t, m).makespan
+    got = predict_makespan(px, py, local, directions, groups, zb, ab, cost, order)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_one_rank_takes_whole_octants_and_given_sizes_are_kept():
+    cost = KERNEL_COSTS["numba"]
+    one = choose_blocking(1, 1, (32, 32, 32), 10, 8, cost)
+    assert (one.z_block, one.angle_block, one.chosen) == (32, 10, True)
+    kept = choose_blocking(4, 1, (32, 32, 32), 10, 8, cost, z_block=4, angle_block=5)
+    assert (kept.z_block, kept.angle_block, kept.chosen) == (4, 5, False)
+    half = choose_blocking(4, 1, (32, 32, 32), 10, 8, cost, z_block=8)
+    assert half.z_block == 8 and 10 % half.angle_block == 0 and half.chosen
+
+
+def test_the_choice_follows_the_costs():
+    free_tasks = SweepCost(per_unknown=1e-9, per_task=0.0)
+    dear_tasks = SweepCost(per_unknown=1e-9, per_task=1.0)
+    fine = choose_blocking(8, 1, (64, 32, 32), 10, 8, free_tasks)
+    coarse = choose_blocking(8, 1, (64, 32, 32), 10, 8, dear_tasks)
+    assert (fine.z_block, fine.angle_block) == (1, 1)  # fill costs, tasks do not: smallest
+    assert (coarse.z_block, coarse.angle_block) == (32, 10)
+    assert 0 < coarse.busy <= 1 and coarse.seconds > fine.seconds
+
+
+def test_the_choice_never_needs_more_tags_than_mpi_guarantees():
+    b = choose_blocking(2, 1, (4, 4, 4096), 80, 1, SweepCost(per_unknown=1e-9, per_task=0.0))
+    assert 8 * (4096 // b.z_block) * (80 // b.angle_block) <= MAX_TASKS
+
+
+def test_a_deck_with_zero_gets_the_models_blocking():
+    cfg = dataclasses.replace(kripke_config(), px=2)
+    problem = build_problem(cfg)
+    blocking = blocking_for(cfg, problem, "numba")
+    plan = plan_for(cfg, problem, "numba")
+    assert (plan.z_block, plan.angle_block) == (blocking.z_block, blocking.angle_block)
+    assert blocking.chosen and plan.tasks_per_octant > 1  # two ranks: pipelined, not whole
+    numpy = blocking_for(cfg, problem, "numpy")
+    assert numpy.seconds > blocking.seconds  # the NumPy kernel's costs
+
+
+def test_kripke_deck_is_kripkes_problem():
+    deck = load_config(INPUTS / "sweep_kripke.toml")
+    assert deck.sweep == kripke_config()
+    ids = build_problem(deck.sweep).material_ids(slice(None), slice(None))
+    # 32^3 zones of 3.75 x 6.25 x 3.75 cm: the 20 cm source cube holds 6 x 4 x 6 centres
+    assert (ids == 0).sum() == 144 and len(KRIPKE_BOXES) == 16
+    assert (ids == 1).sum() > 0 and (ids == 2).sum() > 0.9 * ids.size
