@@ -141,7 +141,8 @@ case "$*" in
   *"--zones 4,4,4 --groups 8 --quad 80 --legendre 0 --niter 2 --layout "*) ;;
   *) echo "unexpected flags: $*" >&2; exit 3 ;;
 esac
-echo "TIMER_NAMES:Generate,LPlusTimes,LTimes,Population,Scattering,Solve,Source,SweepSolver,SweepSubdomain"
+printf 'TIMER_NAMES:Generate,LPlusTimes,LTimes,Population,Scattering,'
+echo "Solve,Source,SweepSolver,SweepSubdomain"
 echo "TIMER_DATA:0.001,0.002,0.002,0.001,0.001,0.0400,0.0001,0.0300,0.0250"
 """
 
@@ -175,7 +176,8 @@ def test_sweep(mpirun, tmp_path):
     assert data["rows"][6]["iter_ns"] == pytest.approx(0.04 / 2 / unknowns * 1e9)
     assert data["rows"][8]["eff"] == pytest.approx(0.5)  # the same Solve time on 2 ranks
     wanted = {t["what"] for t in data["targets"]}
-    assert {"kernel / Kripke's best layout, 1 rank", "2-rank efficiency, default blocking"} <= wanted
+    assert "kernel / Kripke's best layout, 1 rank" in wanted
+    assert "2-rank efficiency, default blocking" in wanted
 
 
 def test_sweep_kripke_errors_name_the_option(mpirun, tmp_path):
