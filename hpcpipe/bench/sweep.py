@@ -96,10 +96,10 @@ def parse_kripke(text: str) -> dict[str, float]:
     data = re.search(r"^TIMER_DATA:(.*)$", text, re.M)
     if not names or not data:
         raise ValueError("Kripke printed no TIMER_NAMES / TIMER_DATA lines")
-    return {
-        k.strip(): float(v)
-        for k, v in zip(names.group(1).split(","), data.group(1).split(","), strict=True)
-    }
+    keys, values = names.group(1).split(","), data.group(1).split(",")
+    if len(keys) != len(values):
+        raise ValueError(f"Kripke's timer lines disagree: {len(keys)} names, {len(values)} values")
+    return {k.strip(): float(v) for k, v in zip(keys, values, strict=True)}
 
 
 def _clean_env() -> dict[str, str]:
