@@ -174,9 +174,10 @@ def _sweep(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kripke",
-        default="",
+        default=os.environ.get("KRIPKE_EXE", ""),
         metavar="EXE",
-        help="also run this Kripke (v1.2.x kripke.exe) on the same problem, interleaved",
+        help="also run this Kripke (v1.2.x kripke.exe) on the same problem, interleaved "
+        "(default: $KRIPKE_EXE, if set)",
     )
     p.add_argument(
         "--kripke-layouts",

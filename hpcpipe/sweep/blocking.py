@@ -161,6 +161,6 @@ def describe_blocking(blocking: Blocking, kernel: str) -> str:
     )
     return (
         f"  blocking z_block={blocking.z_block} angle_block={blocking.angle_block} {how}: "
-        f"predicted sweep {blocking.seconds * 1e3:.1f} ms, kernel {100 * blocking.busy:.0f}% "
+        f"predicted sweep {blocking.seconds * 1e3:.3g} ms, kernel {100 * blocking.busy:.2g}% "
         "of it"
     )

@@ -6,9 +6,10 @@
 
 p2p: `hpcpipe.bench.p2p` in device mode (device -> device ping-pong through the Mailbox,
 CUDA-aware direct vs staged through pinned memory, next to host buffers); until `hpcpipe bench
-p2p` has `--device`, this is its entry point. sweep: the `hpcpipe bench sweep` problem (n^3
-cells, S8, 8 groups) swept on the GPU and on the CPU with the whole octant as one task (the
-GPU's best case: the longest vectors), grind time = sweep time x ranks / unknowns.
+p2p` has `--device`, this is its entry point. sweep: the `hpcpipe bench sweep` problem (Kripke's,
+n^3 zones, S8, 8 groups) swept on the GPU (the NumPy kernel on CuPy arrays) and on the CPU (the
+default kernel there, numba when installed) with the whole octant as one task (the GPU's best
+case: the longest vectors); grind_ns here = sweep time x ranks / unknowns (core time).
 """
 
 from __future__ import annotations
@@ -84,14 +85,14 @@ def _sweep_time(cfg: Any, comm: MPI.Comm, xp: Any, sweeps: int) -> dict[str, Any
 
 
 def sweep(args: argparse.Namespace) -> None:
-    from hpcpipe.bench.sweep import make_config
+    from hpcpipe.sweep.problems import kripke_config
 
     comm = MPI.COMM_WORLD
     device = make_backend("cuda", "float64", comm.rank, "off")
     name = os.environ.get(TEST_ARRAY_MODULE_ENV) or "cupy"
     xp = importlib.import_module(name)
     assert device.xp is xp
-    cfg = make_config(args.n, px=comm.size)
+    cfg = kripke_config(args.n, px=comm.size)
     rows = []
     for label, mod in (("gpu", xp), ("cpu", np)):
         if label == "cpu" and args.no_cpu:

@@ -26,6 +26,10 @@ BLOCKINGS = [(0, 0), (2, 1), (1, 3), (4, 1)]  # (z_block, angle_block); S4: 3 pe
 PHYSICS = {
     "tiny": [],
     "thick-fixup": ["sweep.sigma_t=[[10.0, 15.0], [20.0, 40.0]]"],
+    "thick-fixup-numpy-kernel": [
+        "sweep.sigma_t=[[10.0, 15.0], [20.0, 40.0]]",
+        "sweep.kernel='numpy'",
+    ],
     "step-product-all-faces": [
         "sweep.scheme='step'",
         "sweep.quadrature='product'",
@@ -73,6 +77,7 @@ def main() -> int:
                     diff = float(np.abs(full - ref_phi).max() / np.abs(ref_phi).max())
                     record = {
                         "physics": name,
+                        "kernel": sweeper.kernel,
                         "layout": [px, py],
                         "z_block": z_block,
                         "angle_block": angle_block,

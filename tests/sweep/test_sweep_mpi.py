@@ -33,7 +33,13 @@ def test_parallel_sweep_equals_serial(ranks, layouts):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {tuple(r["layout"]) for r in records} == layouts
-    assert {r["physics"] for r in records} == {"tiny", "thick-fixup", "step-product-all-faces"}
+    assert {r["physics"] for r in records} == {
+        "tiny",
+        "thick-fixup",
+        "thick-fixup-numpy-kernel",
+        "step-product-all-faces",
+    }
+    assert {r["kernel"] for r in records} == {"numba", "numpy"}  # the default and the fallback
     assert len({r["tasks_per_octant"] for r in records}) >= 4  # several blockings really ran
     for r in records:
         assert r["max_rel_diff"] < 1e-12, r
