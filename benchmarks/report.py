@@ -122,6 +122,7 @@ SUMMARY = (
     "moe_alltoall",
     "pipeline_step",
     "pipeline_synthetic",
+    "sweep_grind",
     "plan_scale",
     "trace_overhead",
 )

@@ -164,8 +164,9 @@ def resolve_kernel(name: str, xp: Any = np) -> str:
 
 
 def face_current(face: Any, wcos: Any) -> Any:
-    """Per-group particle current through a face array (nf, A, G), per unit face area."""
-    return (wcos @ face).sum(axis=0)
+    """Per-group particle current through a face array (nf, A, G), per unit face area (the
+    cells summed first: half the time of weighting every cell's directions)."""
+    return wcos @ face.sum(axis=0)
 
 
 def sweep_block(

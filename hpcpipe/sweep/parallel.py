@@ -150,17 +150,19 @@ class KBASweeper:
     def _face_shape(self, axis: int, task: SweepTask) -> tuple[int, int, int]:
         return (self._face_cells[axis], self._angles[task.angle_block].size, self.problem.groups)
 
-    def _boundary(self, axis: int, task: SweepTask) -> Any:
+    def _boundary(self, axis: int, task: SweepTask) -> tuple[Any, bool]:
+        """The incoming face at the domain boundary, and whether it carries any flux (a
+        vacuum face adds nothing to the inflow: its current is not computed)."""
         side = 0 if (task.octant >> axis) & 1 == 0 else 1  # +direction enters at the low face
         value = self.problem.incident[2 * axis + side]
         shape = self._face_shape(axis, task)
         if not value.any():
-            return self.xp.zeros(shape)
+            return self.xp.zeros(shape), False
         key = (axis, side, task.angle_block)
         face = self._incident.get(key)
         if face is None:  # copied to the device once; each task gets its own copy (it is updated)
             face = self._incident[key] = self.xp.asarray(np.broadcast_to(value, shape).copy())
-        return face.copy()
+        return face.copy(), True
 
     def _post(self, task: SweepTask) -> list[PostedFace | None]:
         posted: list[PostedFace | None] = []
@@ -202,8 +204,9 @@ class KBASweeper:
             t0 = now()
             for axis, got in enumerate(posted.pop(t)):
                 if got is None:
-                    face = self._boundary(axis, task)
-                    inflow += self._areas[axis] * face_current(face, currents[axis])
+                    face, lit = self._boundary(axis, task)
+                    if lit:
+                        inflow += self._areas[axis] * face_current(face, currents[axis])
                 else:
                     w0 = now()
                     face, nbytes = self.channel.wait(got)
@@ -212,8 +215,9 @@ class KBASweeper:
                         rec.record(EventKind.RECV, octant, sub, w0, now(), nbytes, peer, axis)
                 faces.append(face)
             if task.z_block == 0:
-                fz = self._boundary(2, task)
-                inflow += self._areas[2] * face_current(fz, angles.wxi)
+                fz, lit = self._boundary(2, task)
+                if lit:
+                    inflow += self._areas[2] * face_current(fz, angles.wxi)
             t1 = now()
             z0, _ = plan.z_range(task.z_block, task.octant)
             sweep_block(

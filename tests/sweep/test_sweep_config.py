@@ -36,8 +36,8 @@ def test_resolved_deck_reloads_identically(tmp_path):
 def test_kobayashi_layout():
     problem = build_problem(load_config(KOBAYASHI).sweep)
     ids = problem.material_ids(slice(None), slice(None))
-    assert ids[0, 0, 0] == 0 and ids[20, 20, 20] == 2 and ids[12, 20, 20] == 1
-    assert (ids == 2).sum() == 4**3  # 20 cm source cube of 5 cm cells
+    assert ids[0, 0, 0] == 0 and ids[30, 30, 30] == 2 and ids[20, 30, 30] == 1
+    assert (ids == 2).sum() == 6**3  # 20 cm source cube of 3.33 cm cells
 
 
 @pytest.mark.parametrize(
