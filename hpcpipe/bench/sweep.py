@@ -12,8 +12,9 @@ zone x direction x group ("unknown") and iteration, in ns:
             "grind time"): source, sweep, convergence check
     core    iter x ranks: the core time an unknown costs, constant under perfect scaling
 
-Every case runs once per repetition, the repetitions interleaved (so drift and other load hit
-all cases alike), after one warm-up solve per case (hpcpipe compiles or loads its kernel
+Every case runs once per repetition, the repetitions interleaved and the order of the
+parallel cases rotated (so drift, other load and what ran just before hit all cases alike),
+after one warm-up solve per case (hpcpipe compiles or loads its kernel
 once per process). Ranks not in a case sleep (`idle_barrier`), leaving their core.
 
     eff     iter(1 rank, fix-up on) / (ranks x iter(ranks)), per repetition, then the median;
@@ -338,7 +339,8 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
         if p > 1:
             comm.Barrier()
             crowd.measure()
-        for case in many:
+        k = rep % max(1, len(many))  # rotate, so no case always runs first
+        for case in [*many[k:], *many[:k]]:
             case.measure()
         if comm.rank == 0:
             print(f"# repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
