@@ -293,10 +293,8 @@ def _plan_rankmap(config: Config, world: int, ranks_per_node: int | None) -> Ran
 def _sweep_plan(config: Config, world: int, png: str | None) -> str:
     """The KBA decomposition, its predicted stages and efficiency, the wavefront over the
     rank grid and a stage chart (no MPI); `png` also draws them."""
-    import numpy as np
-
     from hpcpipe.sweep.blocking import describe_blocking
-    from hpcpipe.sweep.kernel import resolve_kernel
+    from hpcpipe.sweep.checks import check_kernel
     from hpcpipe.sweep.mesh import build_problem
     from hpcpipe.sweep.plan import PlanError, blocking_for, plan_for, simulate
     from hpcpipe.sweep.plan_view import plan_text, plot_plan
@@ -309,17 +307,15 @@ def _sweep_plan(config: Config, world: int, png: str | None) -> str:
             f"* sweep.py = {cfg.px} * {cfg.py} = {cfg.px * cfg.py} ranks, but --world is "
             f"{world}; drop --world (a sweep's world is px * py) or change sweep.px / sweep.py",
         )
+    check_kernel(cfg, config.device.kind, config.source)
     problem = build_problem(cfg)
+    blocking = blocking_for(cfg, problem, device=config.device.kind)
     try:
-        kernel = resolve_kernel(cfg.kernel, np if config.device.kind == "cpu" else None)
-    except ValueError as exc:
-        raise ConfigError(config.source, "sweep.kernel", f"= {cfg.kernel!r}: {exc}") from None
-    try:
-        plan = plan_for(cfg, problem, kernel)
+        plan = plan_for(cfg, problem, blocking)
         sim = simulate(plan)
     except PlanError as exc:
         raise ConfigError(config.source, "sweep", str(exc)) from None
-    line = describe_blocking(blocking_for(cfg, problem, kernel), kernel)
+    line = describe_blocking(blocking)
     text = plan_text(plan, sim, octant_order=cfg.octant_order, blocking=line)
     if png:
         text += f"\nplan picture written to {plot_plan(sim, png)}"

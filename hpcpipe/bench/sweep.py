@@ -61,7 +61,9 @@ __all__ = ["KRIPKE_LAYOUTS", "kripke_command", "parse_kripke", "run"]
 
 KRIPKE_LAYOUTS = ("DGZ", "DZG", "GDZ", "GZD", "ZDG", "ZGD")
 GROUPS = 8
-ORDER = 8  # S8: 80 directions, 10 per octant
+ORDER = 8  # S8: 80 directions
+PER_OCTANT = ORDER * (ORDER + 2) // 8  # 10 directions per octant
+DIRECTIONS = 8 * PER_OCTANT
 SMALL = (2, 10)  # the second 1-rank blocking the model is fitted to (same angle blocks)
 
 COLUMNS = [
@@ -85,7 +87,7 @@ def kripke_command(
     """Kripke's command line for the side-by-side problem (its flags, v1.2.x): `--quad 80` is
     its 80-direction set, `--legendre 0` isotropic scattering; the 3 materials, the geometry
     and diamond difference are built in."""
-    cmd = [exe, "--zones", f"{n},{n},{n}", "--groups", str(GROUPS), "--quad", "80"]
+    cmd = [exe, "--zones", f"{n},{n},{n}", "--groups", str(GROUPS), "--quad", str(DIRECTIONS)]
     cmd += ["--legendre", "0", "--niter", str(iterations), "--layout", layout]
     cmd += ["--procs", f"{ranks},1,1"]
     return [mpiexec, "-n", str(ranks), *cmd] if ranks > 1 else cmd
@@ -116,7 +118,7 @@ def _run_kripke(cmd: list[str], n: int, iterations: int, ranks: int) -> dict[str
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
     t = parse_kripke(proc.stdout)
-    unknowns = n**3 * 80 * GROUPS
+    unknowns = n**3 * DIRECTIONS * GROUPS
     per = iterations * unknowns
     return {
         "kernel_s": t["SweepSubdomain"] / iterations,  # rank 0's (Kripke times rank 0)
@@ -153,7 +155,7 @@ class _Case:
         self.problem = build_problem(cfg)
         kernel = resolve_kernel(cfg.kernel)
         self.blocking = blocking_for(cfg, self.problem, kernel)
-        self.plan = plan_for(cfg, self.problem, kernel)
+        self.plan = plan_for(cfg, self.problem, self.blocking)
         self.sweeper = KBASweeper(self.problem, self.plan, comm)
         self.cells = LocalCells(self.problem, self.sweeper.x_cells, self.sweeper.y_cells)
         self.runs: list[dict[str, float]] = []
@@ -187,9 +189,9 @@ class _Case:
         self.sweeper.free()
 
 
-def whole_config(base: SweepConfig, n: int) -> SweepConfig:
+def _whole(base: SweepConfig, n: int) -> SweepConfig:
     """One task per octant: the 1-rank blocking (what `auto` picks there)."""
-    return dataclasses.replace(base, z_block=n, angle_block=10)
+    return dataclasses.replace(base, z_block=n, angle_block=PER_OCTANT)
 
 
 def _blockings(text: str) -> list[tuple[int, int]]:
@@ -211,7 +213,7 @@ def _blockings(text: str) -> list[tuple[int, int]]:
 
 
 def _row(case: str, ranks: int, zb: int, ab: int, runs: list[dict[str, float]], n: int) -> dict:
-    unknowns = n**3 * 80 * GROUPS
+    unknowns = n**3 * DIRECTIONS * GROUPS
     per_rank = unknowns / ranks
     iters = [r["iter_s"] for r in runs]
     return {
@@ -236,7 +238,7 @@ def _fit(whole: _Case, small: _Case) -> SweepCost:
         rows.append([len(plan.tasks[0]), unknowns])
         times.append(median([r["sweep_s"] for r in case.runs]))
     per_task, per_unknown = np.linalg.solve(np.array(rows, dtype=float), np.array(times))
-    base = KERNEL_COSTS[resolve_kernel(whole.cfg.kernel)]
+    base = KERNEL_COSTS[whole.blocking.kernel]
     return dataclasses.replace(
         base, per_task=max(0.0, float(per_task)), per_unknown=float(per_unknown)
     )
@@ -276,7 +278,7 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
     mpiexec = args.kripke_mpiexec or str(Path(sys.executable).parent / "mpiexec")
     if kripke and p > 1 and not shutil.which(mpiexec):
         raise ConfigError("--kripke-mpiexec", "", f"= {mpiexec!r}: no such launcher")
-    unknowns = n**3 * 80 * GROUPS
+    unknowns = n**3 * DIRECTIONS * GROUPS
     report = Report(
         "sweep",
         [
@@ -306,7 +308,7 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
     base = kripke_config(n, GROUPS, ORDER, kernel=args.kernel)
     one_cases: dict[str, _Case] = {}
     if comm.rank == 0:
-        whole = whole_config(base, n)
+        whole = _whole(base, n)
         small = dataclasses.replace(base, z_block=SMALL[0], angle_block=SMALL[1])
         for key, name, cfg in (
             ("off", "1 rank, no fixup", dataclasses.replace(whole, fixup=False)),
@@ -316,7 +318,7 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             one_cases[key] = _Case(name, cfg, MPI.COMM_SELF, iterations)
     idle_barrier(comm)
     # every rank alone on the whole problem at once: what a core delivers when all are busy
-    crowd = _Case(f"{p} x 1 rank", whole_config(base, n), MPI.COMM_SELF, iterations)
+    crowd = _Case(f"{p} x 1 rank", _whole(base, n), MPI.COMM_SELF, iterations)
     many: list[_Case] = []
     for zb, ab in blockings:
         cfg = dataclasses.replace(base, px=p, z_block=zb, angle_block=ab)
@@ -355,7 +357,7 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             rows.append(_row(c.name, 1, c.plan.z_block, c.plan.angle_block, c.runs, n))
         t_one = np.array([r["iter_s"] for r in on.runs])
         if p > 1:
-            row = _row(crowd.name, 1, n, 10, crowd.runs, n)
+            row = _row(crowd.name, 1, n, PER_OCTANT, crowd.runs, n)
             row["eff"] = median(t_one / np.array(row["iter_s"]))
             rows.append(row)
             summary["crowded_core"] = row["eff"]

@@ -37,15 +37,22 @@ _JIT = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "nump
 
 
 @njit(**_JIT, inline="always")
+def _psi(kx, ky, kz, kt, qe, se, e, ix, iy, iz):  # pragma: no cover (JIT)
+    """Element e's cell value from its incoming faces, in kernel.py's order of operations:
+    (((cx ax + q) + cy ay) + cz az) / (sigma_t + total)."""
+    p = kx[e] * ix
+    p += qe[e]
+    p += ky[e] * iy
+    p += kz[e] * iz
+    return p / (se[e] + kt[e])
+
+
+@njit(**_JIT, inline="always")
 def _dd(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover (JIT)
     """Diamond difference without the fix-up: solve and write the outgoing faces."""
     for e in range(psi.size):
         ix, iy, iz = fx[rx, e], fy[ry, e], fz[rz, e]
-        p = kx[e] * ix
-        p += qe[e]
-        p += ky[e] * iy
-        p += kz[e] * iz
-        p /= se[e] + kt[e]
+        p = _psi(kx, ky, kz, kt, qe, se, e, ix, iy, iz)
         psi[e] = p
         two = p + p
         fx[rx, e] = two - ix
@@ -60,11 +67,7 @@ def _dd_solve(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # prag
     neg = 0
     for e in range(psi.size):
         ix, iy, iz = fx[rx, e], fy[ry, e], fz[rz, e]
-        p = kx[e] * ix
-        p += qe[e]
-        p += ky[e] * iy
-        p += kz[e] * iz
-        p /= se[e] + kt[e]
+        p = _psi(kx, ky, kz, kt, qe, se, e, ix, iy, iz)
         psi[e] = p
         two = p + p
         neg += (two - ix < 0.0) + (two - iy < 0.0) + (two - iz < 0.0)
@@ -138,11 +141,7 @@ def _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # 
     for e in range(psi.size):
         ax, ay, az = inc[0, e], inc[1, e], inc[2, e]
         k1, k2, k3 = kx[e], ky[e], kz[e]
-        p = k1 * ax
-        p += qe[e]
-        p += k2 * ay
-        p += k3 * az
-        p /= se[e] + kt[e]
+        p = _psi(kx, ky, kz, kt, qe, se, e, ax, ay, az)
         two = p + p
         nx, ny, nz = two - ax < 0.0, two - ay < 0.0, two - az < 0.0
         bad = nx | ny | nz
@@ -158,11 +157,7 @@ def _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # 
 def _step(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover (JIT)
     """The step scheme: every outgoing face is the cell value."""
     for e in range(psi.size):
-        p = kx[e] * fx[rx, e]
-        p += qe[e]
-        p += ky[e] * fy[ry, e]
-        p += kz[e] * fz[rz, e]
-        p /= se[e] + kt[e]
+        p = _psi(kx, ky, kz, kt, qe, se, e, fx[rx, e], fy[ry, e], fz[rz, e])
         psi[e] = p
         fx[rx, e] = p
         fy[ry, e] = p

@@ -109,6 +109,8 @@ class Blocking:
     """Predicted kernel share of the sweep time (the rest: fixed costs, messages, fill)."""
     chosen: bool
     """Picked by the model (the deck left z_block or angle_block at 0)."""
+    kernel: str = ""
+    """The kernel whose costs the model used."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -125,6 +127,7 @@ def choose_blocking(
     z_block: int = 0,
     angle_block: int = 0,
     octant_order: str = "yx",
+    kernel: str = "",
 ) -> Blocking:
     """The fastest blocking under `cost`; a nonzero `z_block` / `angle_block` is kept as given.
 
@@ -148,14 +151,15 @@ def choose_blocking(
         for zb, ab in candidates
     )
     bx, by, _ = local
-    kernel = cost.per_unknown * bx * by * nz * directions * 8 * groups
-    return Blocking(zb, ab, seconds, kernel / seconds, not (z_block and angle_block))
+    busy = cost.per_unknown * bx * by * nz * directions * 8 * groups / seconds
+    return Blocking(zb, ab, seconds, busy, not (z_block and angle_block), kernel)
 
 
-def describe_blocking(blocking: Blocking, kernel: str) -> str:
+def describe_blocking(blocking: Blocking) -> str:
     """One line for the run log and `hpcpipe plan`: the blocking, who chose it, the model."""
     how = (
-        f"chosen by the KBA cost model of the {kernel} kernel (sweep.z_block / angle_block = 0)"
+        f"chosen by the KBA cost model of the {blocking.kernel} kernel "
+        "(sweep.z_block / angle_block = 0)"
         if blocking.chosen
         else "as the deck gives it"
     )

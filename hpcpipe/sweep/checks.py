@@ -66,7 +66,7 @@ def check_kernel(cfg: Any, device: str, source: str) -> None:
 def check(config: Config, rankmap: RankMap, files: bool) -> None:
     """The sweep workload's checks: rank grid, problem size, quadrature and KBA plan."""
     from hpcpipe.sweep.mesh import build_problem
-    from hpcpipe.sweep.plan import PlanError, plan_for, validate
+    from hpcpipe.sweep.plan import PlanError, blocking_for, plan_for, validate
 
     cfg, source = config.sweep, config.source
     check_physics(cfg, source)
@@ -126,7 +126,7 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
     except ValueError as exc:
         raise keyed(exc, "sweep", source) from None
     try:
-        validate(plan_for(cfg, problem))
+        validate(plan_for(cfg, problem, blocking_for(cfg, problem, device=config.device.kind)))
     except PlanError as exc:
         word = re.match(r"[a-z_]+", str(exc))
         known = word is not None and hasattr(cfg, word.group(0))

@@ -130,6 +130,8 @@ class SweepConfig:
 
     @property
     def z_block_size(self) -> int:
+        """z_block as given, 0 counted as one block (the fewest tasks the deck can mean; the
+        plan's own choice for 0 keeps within blocking.MAX_TASKS)."""
         return self.z_block or self.nz
 
     @property

@@ -332,16 +332,20 @@ def validate(plan: SweepPlan) -> Simulation:
     return simulate(plan)
 
 
-def blocking_for(cfg: Any, problem: Any, kernel: str | None = None) -> Blocking:
+def blocking_for(
+    cfg: Any, problem: Any, kernel: str | None = None, device: str = "cpu"
+) -> Blocking:
     """The blocking of a `[sweep]` deck: z_block / angle_block as given, a 0 chosen by the KBA
     cost model of the kernel that runs (`kernel`, a resolved name; None: the deck's `kernel`
-    on host arrays)."""
+    resolved for `device`, the NumPy one where it cannot run: the deck checks say why)."""
     if kernel is None:
+        import numpy
+
         from hpcpipe.sweep.kernel import resolve_kernel
 
         try:
-            kernel = resolve_kernel(cfg.kernel)
-        except ValueError:  # reported by the deck checks; the plan still shows
+            kernel = resolve_kernel(cfg.kernel, numpy if device == "cpu" else None)
+        except ValueError:
             kernel = "numpy"
     order = cfg.octant_order
     if order == "auto":
@@ -356,13 +360,14 @@ def blocking_for(cfg: Any, problem: Any, kernel: str | None = None) -> Blocking:
         cfg.z_block,
         cfg.angle_block,
         order,
+        kernel,
     )
 
 
-def plan_for(cfg: Any, problem: Any, kernel: str | None = None) -> SweepPlan:
-    """The KBA plan of a `[sweep]` deck (`SweepConfig`) for its built `Problem`, with the
-    blocking of `blocking_for`."""
-    blocking = blocking_for(cfg, problem, kernel)
+def plan_for(cfg: Any, problem: Any, blocking: Blocking | None = None) -> SweepPlan:
+    """The KBA plan of a `[sweep]` deck (`SweepConfig`) for its built `Problem`, cut as
+    `blocking` says (default: `blocking_for` with the deck's kernel)."""
+    blocking = blocking if blocking is not None else blocking_for(cfg, problem)
     return build_plan(
         cfg.px,
         cfg.py,

@@ -128,17 +128,13 @@ def plan_text(
 def deck_plan_text(cfg: Any) -> str:
     """`plan_text` of a `[sweep]` section (SweepConfig): what a dry run shows for a sweep."""
     from hpcpipe.sweep.blocking import describe_blocking
-    from hpcpipe.sweep.kernel import resolve_kernel
     from hpcpipe.sweep.mesh import build_problem
     from hpcpipe.sweep.plan import blocking_for, plan_for, simulate
 
     problem = build_problem(cfg)
-    try:
-        kernel = resolve_kernel(cfg.kernel)
-    except ValueError:
-        kernel = "numpy"
-    plan = plan_for(cfg, problem, kernel)
-    line = describe_blocking(blocking_for(cfg, problem, kernel), kernel)
+    blocking = blocking_for(cfg, problem)
+    plan = plan_for(cfg, problem, blocking)
+    line = describe_blocking(blocking)
     return plan_text(plan, simulate(plan), octant_order=cfg.octant_order, blocking=line)
 
 

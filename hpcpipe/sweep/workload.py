@@ -106,10 +106,10 @@ def run_sweep(
     problem = build_problem(cfg)
     kernel = resolve_kernel(cfg.kernel, xp)
     blocking = blocking_for(cfg, problem, kernel)
-    plan = plan_for(cfg, problem, kernel)
+    plan = plan_for(cfg, problem, blocking)
     predicted = validate(plan)
     log(plan.describe())
-    log(describe_blocking(blocking, kernel))
+    log(describe_blocking(blocking))
     log(
         f"sweep quadrature={problem.quadrature.name} directions={problem.quadrature.total} "
         f"groups={problem.groups} scheme={problem.scheme} kernel={kernel} "

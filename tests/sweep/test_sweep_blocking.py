@@ -17,6 +17,7 @@ from hpcpipe.sweep.blocking import (
     MAX_TASKS,
     SweepCost,
     choose_blocking,
+    describe_blocking,
     predict_makespan,
 )
 from hpcpipe.sweep.mesh import build_problem
@@ -82,9 +83,16 @@ def test_a_deck_with_zero_gets_the_models_blocking():
     cfg = dataclasses.replace(kripke_config(), px=2)
     problem = build_problem(cfg)
     blocking = blocking_for(cfg, problem, "numba")
-    plan = plan_for(cfg, problem, "numba")
+    plan = plan_for(cfg, problem, blocking)
+    assert (plan.z_block, plan.angle_block) == (
+        plan_for(cfg, problem).z_block,
+        blocking.angle_block,
+    )
     assert (plan.z_block, plan.angle_block) == (blocking.z_block, blocking.angle_block)
     assert blocking.chosen and plan.tasks_per_octant > 1  # two ranks: pipelined, not whole
+    assert blocking.kernel == "numba" and "numba kernel" in describe_blocking(blocking)
+    gpu = blocking_for(cfg, problem, device="cuda")  # the deck's auto runs the NumPy kernel there
+    assert gpu.kernel == "numpy"
     numpy = blocking_for(cfg, problem, "numpy")
     assert numpy.seconds > blocking.seconds  # the NumPy kernel's costs
 

@@ -58,6 +58,7 @@ def test_kobayashi_layout():
         ("sweep.lengths=[1.0, 0.0, 1.0]", "sweep.lengths", "three positive sizes"),
         ("sweep.nx=0", "sweep.nx", "must be >= 1"),
         ("sweep.colour='red'", "sweep.colour", "is not a known key"),
+        ("sweep.kernel='fortran'", "sweep.kernel", "is not one of 'auto', 'numba', 'numpy'"),
     ],
 )
 def test_bad_input_names_the_key(override, key, text):

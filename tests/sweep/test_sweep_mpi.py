@@ -76,6 +76,13 @@ def test_cli_run_writes_the_serial_answer(tmp_path):
     np.testing.assert_allclose(phi.reshape(-1, problem.groups), ref.phi, rtol=1e-12)
 
 
+def test_cli_a_kernel_that_cannot_run_is_exit_2_naming_the_key(tmp_path):
+    sets = ["--set", "device.kind='cuda'", "--set", "sweep.kernel='numba'"]
+    res = run_mpi(1, ["run", str(TINY), *sets, "--set", f"run.output={tmp_path}"], timeout=60)
+    assert res.returncode == 2, res.output
+    assert "sweep.kernel = 'numba': the numba kernel runs on host arrays" in res.stderr
+
+
 def test_cli_rank_grid_must_match_the_world(tmp_path):
     res = run_mpi(2, ["run", str(TINY), "--set", f"run.output={tmp_path}"], timeout=60)
     assert res.returncode == 2, res.output
