@@ -261,6 +261,11 @@ class Backend:
             self.pinned_allocations += 1
         return buf[:nbytes]
 
+    def slot_capacity(self, slot: str) -> int:
+        """Bytes the pinned buffer of `slot` holds now (0 before its first use)."""
+        buf = self._pinned.get(slot)
+        return 0 if buf is None else int(buf.nbytes)
+
     def _host_view(self, array: Any, slot: str) -> np.ndarray:
         return self.staging(array.nbytes, slot).view(array.dtype).reshape(array.shape)
 

@@ -29,6 +29,7 @@ import numpy as np
 from hpcpipe.model.blocks import LossHead
 from hpcpipe.model.layers import Array, Embedding, Layer, Module, activation_bytes, array_module
 from hpcpipe.model.models import Params
+from hpcpipe.model.steps import Steps, run
 
 __all__ = ["Stage", "accumulate", "zeros_like"]
 
@@ -48,6 +49,8 @@ class Stage:
                 raise ValueError(f"the loss head (unit {i}) must be the last unit of its stage")
         self.is_first = isinstance(self.units[0], Embedding)
         self.is_last = isinstance(self.units[-1], LossHead)
+        self.communicates = any(hasattr(u, "forward_steps") for u in self.units)
+        """Some unit pauses at collectives in F and B (MoE blocks): what a pair interleaves."""
 
     def __repr__(self) -> str:
         return f"Stage(units {self.indices.start}..{self.indices.stop - 1})"
@@ -66,12 +69,21 @@ class Stage:
         `loss_weight` is the microbatch's share of the objective (the `dy` its last stage gets
         in B); units with auxiliary losses (MoE) keep it in their ctx to scale those losses.
         """
+        return run(self.forward_steps(params, x, targets, loss_weight=loss_weight))
+
+    def forward_steps(
+        self, params: Params, x: Array, targets: Array | None = None, *, loss_weight: float = 1.0
+    ) -> Steps[tuple[Array, Any]]:
+        """`forward` as steps (`hpcpipe.model.steps`): units that communicate (MoE blocks)
+        yield their collectives, so an overlapped pair can interleave F with another B."""
         ctxs = []
         for i, unit in zip(self.indices, self.units, strict=True):
             if isinstance(unit, LossHead):
                 if targets is None:
                     raise ValueError(f"{self} ends with the loss head: forward needs targets")
                 x, ctx = unit.forward(params[i], x, targets)
+            elif hasattr(unit, "forward_steps"):
+                x, ctx = yield from unit.forward_steps(params[i], x, loss_weight=loss_weight)
             elif getattr(unit, "uses_loss_weight", False):
                 x, ctx = unit.forward(params[i], x, loss_weight=loss_weight)  # type: ignore[call-arg]
             else:
@@ -95,10 +107,17 @@ class Stage:
         On the last stage `dy` is the weight of this microbatch's mean loss in the objective
         (tokens in the microbatch / tokens in the global batch).
         """
+        return run(self.backward_input_steps(params, ctx, dy))
+
+    def backward_input_steps(self, params: Params, ctx: Any, dy: Any) -> Steps[tuple[Any, Any]]:
+        """`backward_input` as steps: units that communicate yield their collectives."""
         wctxs: list[Any] = [None] * len(self.units)
         for k in reversed(range(len(self.units))):
-            i = self.indices[k]
-            dy, wctxs[k] = self.units[k].backward_input(params[i], ctx[k], dy)
+            i, unit = self.indices[k], self.units[k]
+            if hasattr(unit, "backward_input_steps"):
+                dy, wctxs[k] = yield from unit.backward_input_steps(params[i], ctx[k], dy)
+            else:
+                dy, wctxs[k] = unit.backward_input(params[i], ctx[k], dy)
         return dy, wctxs
 
     def backward_weight(self, params: Params, wctx: Any) -> Params:

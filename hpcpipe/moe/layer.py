@@ -35,6 +35,7 @@ from hpcpipe.model.layers import (
     _scatter_add_rows,
     array_module,
 )
+from hpcpipe.model.steps import Steps, run
 from hpcpipe.moe.plan import LocalExperts
 from hpcpipe.moe.router import (
     aux_loss_grad,
@@ -193,6 +194,13 @@ class MoELayer(Layer):
     def forward(
         self, params: dict[str, Array], x: Array, loss_weight: float = 1.0
     ) -> tuple[Array, Any]:
+        return run(self.forward_steps(params, x, loss_weight))
+
+    def forward_steps(
+        self, params: dict[str, Array], x: Array, loss_weight: float = 1.0
+    ) -> Steps[tuple[Array, Any]]:
+        """`forward` as steps (`hpcpipe.model.steps`): the count exchange, the dispatch and
+        the combine are yielded, so an overlapped pair's other half computes meanwhile."""
         xp = array_module(x)
         shape = x.shape
         h = x.reshape(-1, self.d_model)
@@ -210,10 +218,10 @@ class MoELayer(Layer):
         gates = p_top / p_top.sum(axis=1, keepdims=True) if self.top_k > 1 else p_top
         gate = gates[tok, slot]  # (n_kept,) in dispatch order
 
-        plan = self.group.plan(routing.kept)
-        recv = self.group.alltoallv(h[tok], plan.forward)
+        plan = yield from self.group.plan_steps(routing.kept)
+        recv = yield from self.group.exchange_steps(h[tok], plan.forward)
         out, expert_ctx = self._experts_forward(params, recv, plan)
-        back = self.group.alltoallv(out, plan.backward)
+        back = yield from self.group.exchange_steps(out, plan.backward)
         y = _scatter_rows(xp, n, tok, gate[:, None] * back)
         stats = MoEStats(
             aux_loss=load_balancing_loss(p, routing),
@@ -256,6 +264,12 @@ class MoELayer(Layer):
     # ------------------------------------------------------------------ B
 
     def backward_input(self, params: dict[str, Array], ctx: Any, dy: Array) -> tuple[Array, Any]:
+        return run(self.backward_input_steps(params, ctx, dy))
+
+    def backward_input_steps(
+        self, params: dict[str, Array], ctx: Any, dy: Array
+    ) -> Steps[tuple[Array, Any]]:
+        """`backward_input` as steps: both gradient exchanges are yielded."""
         xp = array_module(dy)
         h, p, lse, routing, plan = ctx["h"], ctx["p"], ctx["lse"], ctx["routing"], ctx["plan"]
         n = h.shape[0]
@@ -264,9 +278,9 @@ class MoELayer(Layer):
         tok, slot = _dev(xp, routing.token), _dev(xp, routing.slot)
         dy_rows = dy[tok]
         # expert path: gradient of each returned row goes back to its expert's rank
-        d_out = self.group.alltoallv(ctx["gate"][:, None] * dy_rows, plan.forward)
+        d_out = yield from self.group.exchange_steps(ctx["gate"][:, None] * dy_rows, plan.forward)
         d_recv, expert_wctx = self._experts_backward(params, ctx["experts"], d_out, plan)
-        d_rows = self.group.alltoallv(d_recv, plan.backward)
+        d_rows = yield from self.group.exchange_steps(d_recv, plan.backward)
         dh = _scatter_rows(xp, n, tok, d_rows)
         # router path: gates, load balancing, z-loss -> logits
         dgate = xp.zeros((n, self.top_k), dtype=dy.dtype)
@@ -358,14 +372,26 @@ class MoETransformerBlock(Layer):
     def forward(
         self, params: dict[str, Array], x: Array, loss_weight: float = 1.0
     ) -> tuple[Array, Any]:
+        return run(self.forward_steps(params, x, loss_weight))
+
+    def forward_steps(
+        self, params: dict[str, Array], x: Array, loss_weight: float = 1.0
+    ) -> Steps[tuple[Array, Any]]:
+        """`forward` as steps: the MoE layer's exchanges are yielded."""
         x, c_attn = self.attn.forward(_sub(params, "attn"), x)
         h, c_ln = self.ln.forward(_sub(params, "moe.ln"), x)
-        y, c_moe = self.moe.forward(_sub(params, "moe"), h, loss_weight)
+        y, c_moe = yield from self.moe.forward_steps(_sub(params, "moe"), h, loss_weight)
         return x + y, [c_attn, c_ln, c_moe]
 
     def backward_input(self, params: dict[str, Array], ctx: Any, dy: Array) -> tuple[Array, Any]:
+        return run(self.backward_input_steps(params, ctx, dy))
+
+    def backward_input_steps(
+        self, params: dict[str, Array], ctx: Any, dy: Array
+    ) -> Steps[tuple[Array, Any]]:
+        """`backward_input` as steps: the MoE layer's exchanges are yielded."""
         c_attn, c_ln, c_moe = ctx
-        dh, w_moe = self.moe.backward_input(_sub(params, "moe"), c_moe, dy)
+        dh, w_moe = yield from self.moe.backward_input_steps(_sub(params, "moe"), c_moe, dy)
         dx, w_ln = self.ln.backward_input(_sub(params, "moe.ln"), c_ln, dh)
         dx, w_attn = self.attn.backward_input(_sub(params, "attn"), c_attn, dy + dx)
         return dx, [w_attn, w_ln, w_moe]

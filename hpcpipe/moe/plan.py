@@ -21,7 +21,7 @@ sends `nodes - 1` aggregated inter-node messages instead of `nodes x L - L` smal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -299,6 +299,16 @@ class LocalExperts:
             return rows
         out[...] = rows
         return out
+
+    def plan_steps(self, send_expert: np.ndarray) -> Generator[Any, Any, DispatchPlan]:
+        """`plan` as steps (`hpcpipe.model.steps`): nothing to wait for."""
+        yield from ()  # a generator that never pauses
+        return self.plan(send_expert)
+
+    def exchange_steps(self, rows: Any, exchange: Exchange) -> Generator[Any, Any, Any]:
+        """`alltoallv` as steps: nothing to wait for."""
+        yield from ()
+        return self.alltoallv(rows, exchange)
 
     def __repr__(self) -> str:
         return f"LocalExperts({self.experts})"

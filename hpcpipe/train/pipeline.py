@@ -19,6 +19,7 @@ from hpcpipe.faults import maybe_fail
 from hpcpipe.io.trace import EventKind, Recorder, action_peers
 from hpcpipe.model.models import Params
 from hpcpipe.model.stage import Stage
+from hpcpipe.model.steps import Steps, interleave, run
 from hpcpipe.moe.layer import is_expert_param
 from hpcpipe.mpi import Comm
 from hpcpipe.mpi.clock import world_ranks
@@ -131,11 +132,20 @@ class PipelineRank:
             nbytes = int(np.prod(self.act_shape)) * np.dtype(backend.dtype).itemsize
             self._nbytes = [nbytes if p >= 0 else 0 for p in self._peers]
         self._post_at = [r.post_at for r in self.messages.receives]
-        # overlapped pairs: the F half's position -> the two stages, for stages that overlap
-        # (begin_pair/end_pair); the others run the halves one after the other
+        # overlapped pairs, by the F half's position: stages written as steps (`Stage`) run
+        # the two halves interleaved, each one's collectives in flight while the other
+        # computes (`hpcpipe.model.steps`); stages with begin_pair/end_pair (the synthetic
+        # stand-ins) overlap in their own way; any other runs the halves one after the other
+        pairs = schedule.rank_pairs(rank)
+        self._joint = frozenset(
+            i for i in pairs if hasattr(stages[self.actions[i].stage], "forward_steps")
+        )
+        self._communicates = {
+            s: bool(getattr(st, "communicates", False)) for s, st in stages.items()
+        }
         self._pairs = {
             i: (stages[self.actions[i].stage], stages[self.actions[i + 1].stage])
-            for i in schedule.rank_pairs(rank)
+            for i in pairs - self._joint
             if hasattr(stages[self.actions[i].stage], "begin_pair")
         }
         self._step_no, self._pos = -1, -1  # where this rank is, for the watchdog's report
@@ -172,13 +182,16 @@ class PipelineRank:
         self._n_sent = self._n_received = 0  # the step's sends and receives so far (plan order)
         reducer, expert_reducer = self.reducer, self.expert_reducer
         rec, now = self.rec, self.rec.now
-        pairs = self._pairs
+        pairs, joint = self._pairs, self._joint
+        b_half: tuple[int, int] | None = None  # the B half of the pair just run: its interval
         t_step = now()
         self._step_no = step + 1  # reports number steps from 1, like the log
         for pos, action in enumerate(self.actions):
             self._pos = pos
-            # receives posted ahead, as planned, so senders never wait for this rank
-            while next_recv < n_recv and post_at[next_recv] <= pos:
+            # receives posted ahead, as planned, so senders never wait for this rank (a pair
+            # also posts those of its B half's position: both halves run now)
+            last = pos + 1 if pos in joint else pos
+            while next_recv < n_recv and post_at[next_recv] <= last:
                 post(next_recv)
                 next_recv += 1
             self.mailbox.progress()
@@ -186,19 +199,27 @@ class PipelineRank:
                 reducer.progress()
             if expert_reducer.busy:
                 expert_reducer.progress()
-            t0 = now()
+            t0, t1 = now(), 0
             try:
-                if pairs:
-                    self._pair_edge(pos)
-                self._run_action(action, step)
-                if pairs and pos - 1 in pairs:
-                    f_stage, b_stage = pairs[pos - 1]
-                    f_stage.end_pair(b_stage)
+                if b_half is not None:  # ran with its F half, one position earlier
+                    (t0, t1), b_half = b_half, None
+                elif pos in joint:
+                    # the F half's record covers its own busy time, the B half's the rest
+                    t1 = t0 + self._run_joint(action, self.actions[pos + 1], step)
+                    b_half = (t1, now())
+                else:
+                    if pairs:
+                        self._pair_edge(pos)
+                    self._run_action(action, step)
+                    if pairs and pos - 1 in pairs:
+                        f_stage, b_stage = pairs[pos - 1]
+                        f_stage.end_pair(b_stage)
             except Exception as exc:
                 raise ActionError(self._where(step + 1, pos, exc)) from exc
             if pos in releases:
                 self.mailbox.release(releases[pos])
-            t1 = now()
+            if not t1:
+                t1 = now()
             if rec.enabled:
                 rec.record(
                     action.kind,
@@ -332,14 +353,29 @@ class PipelineRank:
         else:
             raise ValueError(f"unknown action kind {kind!r}")
 
+    def _run_joint(self, f: Action, b: Action, step: int) -> int:
+        """An overlapped pair: F of one microbatch and B (or BW) of another, interleaved at
+        their collectives (`hpcpipe.model.steps.interleave`). Returns the F half's busy time."""
+        forward = self._forward_steps(f.stage, f.microbatch, step)
+        backward = self._backward_steps(b.stage, b.microbatch, step, fused=b.kind == Kind.BW)
+        if self._communicates[f.stage] or not self._communicates[b.stage]:
+            return interleave(forward, backward, self.rec.now)[2]
+        # only B communicates: it goes first, so F computes while B's first exchange is out
+        return interleave(backward, forward, self.rec.now)[3]
+
     def _forward(self, s: int, mb: int, step: int) -> None:
+        run(self._forward_steps(s, mb, step))
+
+    def _forward_steps(self, s: int, mb: int, step: int) -> Steps[None]:
         stage = self.stages[s]
         inputs, targets, _ = self._batch
         x = inputs[mb] if stage.is_first else self._inputs.pop((s, mb))
         maybe_fail(f"forward:{step + 1}", self.world_rank)
-        y, ctx = stage.forward(
-            self.params[s], x, targets[mb] if stage.is_last else None, loss_weight=self._batch[2]
-        )
+        args = (self.params[s], x, targets[mb] if stage.is_last else None)
+        if hasattr(stage, "forward_steps"):
+            y, ctx = yield from stage.forward_steps(*args, loss_weight=self._batch[2])
+        else:  # a stage without collectives to pause at (the synthetic stand-ins)
+            y, ctx = stage.forward(*args, loss_weight=self._batch[2])
         if self.has_moe:
             self.moe_stats.extend(stage.aux_stats(ctx).values())
         self._ctx[(s, mb)] = ctx
@@ -357,11 +393,24 @@ class PipelineRank:
             self._outputs[(s, mb)] = y
             memory.hold(("out", s, mb), y)
 
+    def _backward_steps(self, s: int, mb: int, step: int, *, fused: bool) -> Steps[None]:
+        """B (and W after it when `fused`: a BW action) as steps, for an overlapped pair."""
+        maybe_fail(f"backward:{step + 1}", self.world_rank)
+        yield from self._backward_input_steps(s, mb)
+        if fused:
+            self._backward_weight(s, mb)
+
     def _backward_input(self, s: int, mb: int) -> None:
+        run(self._backward_input_steps(s, mb))
+
+    def _backward_input_steps(self, s: int, mb: int) -> Steps[None]:
         stage = self.stages[s]
         dy = self._batch[2] if stage.is_last else self._dgrad_in.pop((s, mb))
         ctx = self._ctx.pop((s, mb))
-        dx, wctx = stage.backward_input(self.params[s], ctx, dy)
+        if hasattr(stage, "backward_input_steps"):
+            dx, wctx = yield from stage.backward_input_steps(self.params[s], ctx, dy)
+        else:
+            dx, wctx = stage.backward_input(self.params[s], ctx, dy)
         self._wctx[(s, mb)] = wctx
         memory = self.memory
         memory.drop(("ctx", s, mb))

@@ -37,6 +37,7 @@ from hpcpipe.config import load_config  # noqa: E402
 
 STEPS = 3
 PP4 = ["topology.pp=4", "topology.dp=1"]
+PAIRS = ["pipeline.schedule='dualpipe-v'", "pipeline.overlap_pairs=true"]
 CASES = {  # name -> (deck, cuda_aware, events that answer "not done" first, extra overrides)
     "train": [
         ("direct", "train_tiny", "on", 0, []),
@@ -47,6 +48,9 @@ CASES = {  # name -> (deck, cuda_aware, events that answer "not done" first, ext
     "moe": [
         ("moe-direct", "moe_tiny", "on", 0, []),
         ("moe-staged", "moe_tiny", "off", 1, []),
+        # overlapped F&B pairs with an MoE block in every stage: two exchanges in flight at
+        # once, each through its own staging buffers
+        ("moe-staged-pairs", "moe_tiny", "off", 1, [*PAIRS, "moe.every=1"]),
     ],
 }
 
@@ -111,6 +115,8 @@ def train_case(name: str, deck: str, aware: str, delay: int, extra: list[str]) -
         "loss": trainer.history.get("loss", []),
         "overlap": runner.mailbox.overlap,
         "staged": backend.staged,
+        "a2a_slots": sorted(k for k in backend._pinned if k.startswith("a2a.")),
+        "exchanges_in_flight": sorted(group._slots_busy) if group is not None else [],
     }
     everyone = comm.gather(mine, root=0)
     if group is not None:

@@ -87,6 +87,14 @@ class RecordingComm(MPI.Intracomm):
         self._check("Alltoall", sendbuf, recvbuf)
         return super().Alltoall(sendbuf, recvbuf)
 
+    def Ialltoallv(self, sendbuf: Any, recvbuf: Any) -> MPI.Request:
+        self._check("Ialltoallv", sendbuf, recvbuf)
+        return super().Ialltoallv(sendbuf, recvbuf)
+
+    def Ialltoall(self, sendbuf: Any, recvbuf: Any) -> MPI.Request:
+        self._check("Alltoall", sendbuf, recvbuf)  # the per-expert counts, host integers
+        return super().Ialltoall(sendbuf, recvbuf)
+
     def Dup(self, *args: Any, **kwargs: Any) -> RecordingComm:
         return RecordingComm(super().Dup(*args, **kwargs))
 

@@ -402,7 +402,7 @@ def check_training(records: list[dict]) -> None:
             if not rank["staged"]:
                 assert pinned[0] == 0 and all(s["mpi_host"] == 0 for s in rank["steps"]), where
     base = next(iter(losses.values()))
-    same_layout = [name for name in losses if "zbv" not in name]
+    same_layout = [name for name in losses if "zbv" not in name and "pairs" not in name]
     for name in same_layout:
         assert losses[name] == base, name  # staged, direct, overlapped: bit for bit
 
@@ -431,6 +431,10 @@ def test_moe_step_copies_only_its_budget_and_hands_mpi_safe_buffers():
     check_training(records)
     for rank in records[0]["ranks"]:
         assert rank["expected"]["routing"] > 0 and rank["expected"]["moe_stats"] == 1
+    pairs = next(r for r in records if r["case"] == "moe-staged-pairs")
+    for rank in pairs["ranks"]:  # a second set of staging buffers: two exchanges were out
+        assert rank["a2a_slots"] == ["a2a.recv", "a2a.recv.1", "a2a.send", "a2a.send.1"], rank
+        assert rank["exchanges_in_flight"] == [], rank  # every slot given back
 
 
 @pytest.mark.mpi
