@@ -30,6 +30,7 @@ FIGURES = (
     "trace_overhead",
     "plan_scale",
     "schedule_search",
+    "schedule_exact",
 )
 
 

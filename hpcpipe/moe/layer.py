@@ -218,10 +218,10 @@ class MoELayer(Layer):
         gates = p_top / p_top.sum(axis=1, keepdims=True) if self.top_k > 1 else p_top
         gate = gates[tok, slot]  # (n_kept,) in dispatch order
 
-        plan = yield from self.group.plan_steps(routing.kept)
-        recv = yield from self.group.exchange_steps(h[tok], plan.forward)
+        plan = yield self.group.plan_op(routing.kept)
+        recv = yield self.group.alltoallv_op(h[tok], plan.forward)
         out, expert_ctx = self._experts_forward(params, recv, plan)
-        back = yield from self.group.exchange_steps(out, plan.backward)
+        back = yield self.group.alltoallv_op(out, plan.backward)
         y = _scatter_rows(xp, n, tok, gate[:, None] * back)
         stats = MoEStats(
             aux_loss=load_balancing_loss(p, routing),
@@ -278,9 +278,9 @@ class MoELayer(Layer):
         tok, slot = _dev(xp, routing.token), _dev(xp, routing.slot)
         dy_rows = dy[tok]
         # expert path: gradient of each returned row goes back to its expert's rank
-        d_out = yield from self.group.exchange_steps(ctx["gate"][:, None] * dy_rows, plan.forward)
+        d_out = yield self.group.alltoallv_op(ctx["gate"][:, None] * dy_rows, plan.forward)
         d_recv, expert_wctx = self._experts_backward(params, ctx["experts"], d_out, plan)
-        d_rows = yield from self.group.exchange_steps(d_recv, plan.backward)
+        d_rows = yield self.group.alltoallv_op(d_recv, plan.backward)
         dh = _scatter_rows(xp, n, tok, d_rows)
         # router path: gates, load balancing, z-loss -> logits
         dgate = xp.zeros((n, self.top_k), dtype=dy.dtype)

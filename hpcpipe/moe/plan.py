@@ -21,12 +21,14 @@ sends `nodes - 1` aggregated inter-node messages instead of `nodes x L - L` smal
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import numpy as np
+
+from hpcpipe.model.steps import Operation, immediate
 
 __all__ = [
     "DispatchPlan",
@@ -300,15 +302,13 @@ class LocalExperts:
         out[...] = rows
         return out
 
-    def plan_steps(self, send_expert: np.ndarray) -> Generator[Any, Any, DispatchPlan]:
-        """`plan` as steps (`hpcpipe.model.steps`): nothing to wait for."""
-        yield from ()  # a generator that never pauses
-        return self.plan(send_expert)
+    def plan_op(self, send_expert: np.ndarray) -> Operation:
+        """`plan` as a step a layer yields (`hpcpipe.model.steps`): nothing to wait for."""
+        return Operation(self.plan, immediate(self.plan), send_expert)
 
-    def exchange_steps(self, rows: Any, exchange: Exchange) -> Generator[Any, Any, Any]:
-        """`alltoallv` as steps: nothing to wait for."""
-        yield from ()
-        return self.alltoallv(rows, exchange)
+    def alltoallv_op(self, rows: Any, exchange: Exchange) -> Operation:
+        """`alltoallv` as a step a layer yields: nothing to wait for."""
+        return Operation(self.alltoallv, immediate(self.alltoallv), rows, exchange)
 
     def __repr__(self) -> str:
         return f"LocalExperts({self.experts})"

@@ -14,6 +14,7 @@ messages are still sent.
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from hpcpipe.backend import active_backend
 from hpcpipe.faults import maybe_fail
 from hpcpipe.model.layers import array_module
-from hpcpipe.model.steps import Steps, run
+from hpcpipe.model.steps import Operation
 from hpcpipe.moe.plan import (
     DispatchPlan,
     Exchange,
@@ -67,7 +68,7 @@ class ExpertGroup:
         self.node_comm: MPI.Comm | None = None
         self.cross_comm: MPI.Comm | None = None
         self._types: dict[tuple[Any, tuple[int, ...]], MPI.Datatype] = {}
-        self._slots_busy: set[int] = set()  # staging slots of device exchanges not yet done
+        self._slots_busy: set[int] = set()  # staging slots of exchanges started, not finished
         if hierarchical:
             if not self.layout.uniform:
                 raise ValueError(
@@ -122,28 +123,59 @@ class ExpertGroup:
 
     def plan(self, send_expert: np.ndarray) -> DispatchPlan:
         """Collective: exchange per-expert counts (E,) and build this dispatch's plan."""
-        return run(self.plan_steps(send_expert))
+        send, recv = self._count_buffers(send_expert)
+        self.comm.Alltoall(send, recv)
+        if not self.hierarchical:
+            return build_dispatch_plan(send, recv.reshape(self.size, self.per_rank))
+        assert self.node_comm is not None
+        mine, mates = self._node_count_buffers(send, recv)
+        self.node_comm.Allgather(mine, mates)
+        return self._two_phase_plan(send, recv, mates)
 
-    def plan_steps(self, send_expert: np.ndarray) -> Steps[DispatchPlan]:
-        """`plan` as steps (`hpcpipe.model.steps`): each count exchange is yielded."""
+    def plan_op(self, send_expert: np.ndarray) -> Operation:
+        """`plan` as a step a layer yields (`hpcpipe.model.steps`)."""
+        return Operation(self.plan, self._plan_steps, send_expert)
+
+    def _plan_steps(self, send_expert: np.ndarray) -> Generator[_Call, Any, DispatchPlan]:
+        send, recv = self._count_buffers(send_expert)
+        yield _Call(self.comm.Ialltoall, (send, recv), recv)
+        if not self.hierarchical:
+            return build_dispatch_plan(send, recv.reshape(self.size, self.per_rank))
+        assert self.node_comm is not None
+        mine, mates = self._node_count_buffers(send, recv)
+        yield _Call(self.node_comm.Iallgather, (mine, mates), mates)
+        return self._two_phase_plan(send, recv, mates)
+
+    def _count_buffers(self, send_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         send = np.ascontiguousarray(send_expert, dtype=np.int64)
         if send.shape != (self.experts,):
             raise ValueError(
                 f"per-expert counts have shape {send.shape}, expected ({self.experts},)"
             )
-        recv = np.empty(self.experts, dtype=np.int64)
-        yield _Call(self.comm.Alltoall, self.comm.Ialltoall, (send, recv), recv)
-        recv_expert = recv.reshape(self.size, self.per_rank)
-        if not self.hierarchical:
-            return build_dispatch_plan(send, recv_expert)
+        return send, np.empty(self.experts, dtype=np.int64)
+
+    def _node_count_buffers(
+        self, send: np.ndarray, recv: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's rows to and from every ep rank, and room for every node mate's."""
         assert self.node_comm is not None
         mine = np.concatenate(
-            (send.reshape(self.size, self.per_rank).sum(axis=1), recv_expert.sum(axis=1))
+            (
+                send.reshape(self.size, self.per_rank).sum(axis=1),
+                recv.reshape(self.size, self.per_rank).sum(axis=1),
+            )
         )
-        mates = np.empty((self.node_comm.size, mine.size), dtype=np.int64)
-        yield _Call(self.node_comm.Allgather, self.node_comm.Iallgather, (mine, mates), mates)
+        return mine, np.empty((self.node_comm.size, mine.size), dtype=np.int64)
+
+    def _two_phase_plan(
+        self, send: np.ndarray, recv: np.ndarray, mates: np.ndarray
+    ) -> DispatchPlan:
         return build_dispatch_plan(
-            send, recv_expert, layout=self.layout, me=self.rank, node_counts=mates
+            send,
+            recv.reshape(self.size, self.per_rank),
+            layout=self.layout,
+            me=self.rank,
+            node_counts=mates,
         )
 
     # ------------------------------------------------------------------ rows
@@ -156,49 +188,72 @@ class ExpertGroup:
         maybe_fail("alltoall")
         rec = self.recorder
         if rec is not None and rec.enabled:
-            t0 = rec.now()
-            result = run(self._exchange(rows, exchange, out))
-            self._record(rows, t0)
-            return result
-        if exchange.hierarchical is None:  # the common path: no generator in the way
-            return self._alltoallv(self.comm, rows, exchange.send_spec, exchange.recv_spec, out)
-        return run(self._exchange(rows, exchange, out))
+            from hpcpipe.io.trace import EventKind
 
-    def exchange_steps(self, rows: Any, exchange: Exchange) -> Steps[Any]:
-        """`alltoallv` as steps (`hpcpipe.model.steps`): each phase's exchange is yielded, so
-        it can be in flight while other work runs. Its trace event spans start to completion."""
+            t0 = rec.now()
+            result = self._exchange(rows, exchange, out)
+            rec.record(
+                EventKind.ALLTOALL,
+                -1,
+                -1,
+                t0,
+                rec.now(),
+                int(getattr(rows, "nbytes", 0)),
+                value=float(len(rows)),
+            )
+            return result
+        return self._exchange(rows, exchange, out)
+
+    def alltoallv_op(self, rows: Any, exchange: Exchange) -> Operation:
+        """`alltoallv` as a step a layer yields (`hpcpipe.model.steps`): in an overlapped pair
+        each phase's exchange is in flight while the other half computes. Its trace event
+        spans start to completion."""
+        return Operation(self.alltoallv, self._exchange_steps, rows, exchange)
+
+    def _exchange(self, rows: Any, exchange: Exchange, out: Any = None) -> Any:
+        if exchange.hierarchical is None:  # the common path: nothing in the way
+            return self._alltoallv(self.comm, rows, exchange.send_spec, exchange.recv_spec, out)
+        phases = self._phases(rows, exchange, out)
+        try:
+            spec = next(phases)
+            while True:
+                spec = phases.send(self._alltoallv(*spec))
+        except StopIteration as stop:
+            return stop.value
+
+    def _exchange_steps(self, rows: Any, exchange: Exchange) -> Generator[Any, Any, Any]:
         maybe_fail("alltoall")
         rec = self.recorder
         t0 = rec.now() if rec is not None and rec.enabled else None
-        result = yield from self._exchange(rows, exchange)
+        phases = self._phases(rows, exchange)
+        try:
+            spec = next(phases)
+            while True:
+                spec = phases.send((yield self._collective(*spec)))
+        except StopIteration as stop:
+            result = stop.value
         if t0 is not None:
-            self._record(rows, t0)
+            from hpcpipe.io.trace import EventKind
+
+            rec.record(
+                EventKind.ALLTOALL,
+                -1,
+                -1,
+                t0,
+                rec.now(),
+                int(getattr(rows, "nbytes", 0)),
+                value=float(len(rows)),
+            )
         return result
 
-    def _record(self, rows: Any, t0: int) -> None:
-        from hpcpipe.io.trace import EventKind
-
-        self.recorder.record(
-            EventKind.ALLTOALL,
-            -1,
-            -1,
-            t0,
-            self.recorder.now(),
-            int(getattr(rows, "nbytes", 0)),
-            value=float(len(rows)),
-        )
-
-    def _exchange(self, rows: Any, exchange: Exchange, out: Any = None) -> Steps[Any]:
+    def _phases(self, rows: Any, exchange: Exchange, out: Any = None) -> Generator[Any, Any, Any]:
+        """The exchange as the Alltoallv calls it is made of: yields each one's arguments
+        (comm, rows, send counts, receive counts, out) and is sent the rows it received."""
         h = exchange.hierarchical
         if h is None:
-            return (
-                yield self._collective(self.comm, rows, exchange.send_spec, exchange.recv_spec, out)
-            )
-        assert self.node_comm is not None and self.cross_comm is not None
-        mid = yield self._collective(
-            self.node_comm, _take(rows, h.index1), h.send1_spec, h.recv1_spec
-        )
-        last = yield self._collective(
+            return (yield (self.comm, rows, exchange.send_spec, exchange.recv_spec, out))
+        mid = yield (self.node_comm, _take(rows, h.index1), h.send1_spec, h.recv1_spec, None)
+        last = yield (
             self.cross_comm,
             _take(mid, h.index2),
             h.send2_spec,
@@ -215,13 +270,42 @@ class ExpertGroup:
     def _alltoallv(
         self, comm: MPI.Comm, rows: Any, send: RowCounts, recv: RowCounts, out: Any = None
     ) -> Any:
-        return self._collective(comm, rows, send, recv, out).run()
+        if (self.size if comm is self.comm else comm.size) == 1:  # nothing moves
+            if out is None:
+                return rows
+            out[...] = rows
+            return out
+        shape = (recv.total, *rows.shape[1:])
+        host = type(rows) is np.ndarray
+        if out is None:
+            out = (np if host else array_module(rows)).empty(shape, dtype=rows.dtype)
+        elif out.shape != shape or out.dtype != rows.dtype:
+            raise ValueError(
+                f"receive buffer is {out.dtype}{out.shape}, expected {rows.dtype}{shape}"
+            )
+        if host:  # the common path stays a few attribute lookups away from raw Alltoallv
+            sbuf = rows if rows.flags.c_contiguous else np.ascontiguousarray(rows)
+            rbuf = out
+        else:
+            sbuf, rbuf = self._device_buffers(rows, out)
+        rtype = self._types.get((rows.dtype, shape[1:])) or self._row_type(rows.dtype, shape[1:])
+        comm.Alltoallv(
+            [sbuf, (send.counts, send.displs), rtype], [rbuf, (recv.counts, recv.displs), rtype]
+        )
+        if rbuf is not out:
+            backend = active_backend()
+            if backend is not None and backend.on_gpu:
+                backend.finish_recv(out, rbuf, "a2a.recv")  # async, ordered before later kernels
+            else:
+                out.set(rbuf)
+        return out
 
     def _collective(
         self, comm: MPI.Comm, rows: Any, send: RowCounts, recv: RowCounts, out: Any = None
     ) -> _Call | _Done:
-        """One Alltoallv of rows, its buffers ready (staged through pinned host memory for a
-        device array when MPI is not CUDA-aware; a slot per exchange in flight)."""
+        """`_alltoallv` to be started and waited for later (an overlapped pair): the same
+        buffers, except that a staged exchange takes a staging slot of its own, since two can
+        be in flight at once; it is given back when the exchange completes."""
         if (self.size if comm is self.comm else comm.size) == 1:  # nothing moves
             if out is None:
                 return _Done(rows)
@@ -231,27 +315,29 @@ class ExpertGroup:
         host = type(rows) is np.ndarray
         if out is None:
             out = (np if host else array_module(rows)).empty(shape, dtype=rows.dtype)
-        elif out.shape != shape or out.dtype != rows.dtype:
-            raise ValueError(
-                f"receive buffer is {out.dtype}{out.shape}, expected {rows.dtype}{shape}"
-            )
         rtype = self._types.get((rows.dtype, shape[1:])) or self._row_type(rows.dtype, shape[1:])
-        if host:  # the common path stays a few attribute lookups away from raw Alltoallv
+        slot = None
+        if host:
             sbuf = rows if rows.flags.c_contiguous else np.ascontiguousarray(rows)
-            args = (
-                [sbuf, (send.counts, send.displs), rtype],
-                [out, (recv.counts, recv.displs), rtype],
-            )
-            return _Call(comm.Alltoallv, comm.Ialltoallv, args, out)
-        # two exchanges in flight at once (an overlapped pair) need two sets of staging buffers
-        slot = min(set(range(len(self._slots_busy) + 1)) - self._slots_busy)
-        self._slots_busy.add(slot)
-        sbuf, rbuf = self._device_buffers(rows, out, f".{slot}" if slot else "")
+            rbuf = out
+        else:
+            backend = active_backend()
+            if not self.cuda_aware and backend is not None and backend.on_gpu:
+                busy = self._slots_busy
+                slot = min(set(range(len(busy) + 1)) - busy)
+                busy.add(slot)
+            try:
+                sbuf, rbuf = self._device_buffers(rows, out, f".{slot}" if slot else "")
+            except BaseException:
+                self._slots_busy.discard(slot)  # type: ignore[arg-type]
+                raise
         args = (
             [sbuf, (send.counts, send.displs), rtype],
             [rbuf, (recv.counts, recv.displs), rtype],
         )
-        return _Call(comm.Alltoallv, comm.Ialltoallv, args, out, rbuf, (self._slots_busy, slot))
+        if rbuf is out:
+            return _Call(comm.Ialltoallv, args, out)
+        return _Call(comm.Ialltoallv, args, out, rbuf, slot, self._slots_busy)
 
     def _row_type(self, dtype: Any, row_shape: tuple[int, ...]) -> MPI.Datatype:
         """A committed contiguous datatype of one row, so counts are rows (no int overflow of
@@ -264,7 +350,8 @@ class ExpertGroup:
     def _device_buffers(self, rows: Any, out: Any, slot: str = "") -> tuple[Any, Any]:
         """Device arrays go to MPI directly when it is CUDA-aware (made contiguous, then the
         stream synchronised: CuPy does not do it for MPI), otherwise through the backend's
-        pinned staging buffers, reused from call to call (plain host copies without one)."""
+        pinned staging buffers of `slot`, reused from call to call (plain host copies without
+        one)."""
         xp = array_module(rows)
         backend = active_backend()
         if self.cuda_aware or backend is None or not backend.on_gpu:
@@ -290,15 +377,12 @@ def _take(rows: Any, index: np.ndarray | None) -> Any:
 
 
 class _Done:
-    """A collective with nothing to move: its result is already there."""
+    """An exchange with nothing to move: its result is already there."""
 
     __slots__ = ("value",)
 
     def __init__(self, value: Any):
         self.value = value
-
-    def run(self) -> Any:
-        return self.value
 
     def start(self) -> _Done:
         return self
@@ -308,47 +392,52 @@ class _Done:
 
 
 class _Call:
-    """One MPI collective with its arguments: `run` calls the blocking form, `start` the
-    nonblocking one (`wait` completes it). A staged receive (`rbuf` is not `out`) is copied
-    into the device array when it completes, and its staging slot given back."""
+    """A nonblocking MPI collective with its arguments: `start` posts it, `wait` completes it.
+    A staged receive (`rbuf`) is copied into its device array then, and its staging slot given
+    back whatever happens."""
 
-    __slots__ = ("args", "blocking", "nonblocking", "out", "rbuf", "request", "slot")
+    __slots__ = ("args", "busy", "nonblocking", "out", "rbuf", "request", "slot")
 
     def __init__(
         self,
-        blocking: Any,
         nonblocking: Any,
         args: tuple[Any, ...],
         out: Any,
         rbuf: Any = None,
-        slot: tuple[set[int], int] | None = None,
+        slot: int | None = None,
+        busy: set[int] | None = None,
     ):
-        self.blocking, self.nonblocking, self.args, self.out = blocking, nonblocking, args, out
-        self.rbuf, self.slot = rbuf, slot
+        self.nonblocking, self.args, self.out = nonblocking, args, out
+        self.rbuf, self.slot, self.busy = rbuf, slot, busy
         self.request: MPI.Request | None = None
 
-    def run(self) -> Any:
-        self.blocking(*self.args)
-        return self._finish()
-
     def start(self) -> _Call:
-        self.request = self.nonblocking(*self.args)
+        try:
+            self.request = self.nonblocking(*self.args)
+        except BaseException:
+            self._release()
+            raise
         return self
 
     def wait(self) -> Any:
         assert self.request is not None, "wait() before start()"
-        self.request.Wait()
-        self.request = None
-        return self._finish()
+        try:
+            self.request.Wait()
+            self.request = None
+            out, rbuf = self.out, self.rbuf
+            if rbuf is not None:
+                backend = active_backend()
+                if backend is not None and backend.on_gpu:  # async, before later kernels
+                    backend.finish_recv(
+                        out, rbuf, "a2a.recv" + (f".{self.slot}" if self.slot else "")
+                    )
+                else:
+                    out.set(rbuf)
+            return out
+        finally:
+            self._release()
 
-    def _finish(self) -> Any:
-        out, rbuf = self.out, self.rbuf
-        if rbuf is not None:
-            busy, k = self.slot  # type: ignore[misc]
-            backend = active_backend()
-            if backend is not None and backend.on_gpu:  # async, ordered before later kernels
-                backend.finish_recv(out, rbuf, "a2a.recv" + (f".{k}" if k else ""))
-            else:
-                out.set(rbuf)
-            busy.discard(k)
-        return out
+    def _release(self) -> None:
+        if self.busy is not None:
+            self.busy.discard(self.slot)  # type: ignore[arg-type]
+            self.busy = None

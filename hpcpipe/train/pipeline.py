@@ -132,17 +132,21 @@ class PipelineRank:
             nbytes = int(np.prod(self.act_shape)) * np.dtype(backend.dtype).itemsize
             self._nbytes = [nbytes if p >= 0 else 0 for p in self._peers]
         self._post_at = [r.post_at for r in self.messages.receives]
-        # overlapped pairs, by the F half's position: stages written as steps (`Stage`) run
-        # the two halves interleaved, each one's collectives in flight while the other
-        # computes (`hpcpipe.model.steps`); stages with begin_pair/end_pair (the synthetic
-        # stand-ins) overlap in their own way; any other runs the halves one after the other
-        pairs = schedule.rank_pairs(rank)
-        self._joint = frozenset(
-            i for i in pairs if hasattr(stages[self.actions[i].stage], "forward_steps")
-        )
+        # overlapped pairs, by the F half's position. Where a half's stage communicates inside
+        # F and B (MoE blocks), the two halves run interleaved, each one's collectives in
+        # flight while the other computes (`hpcpipe.model.steps`); stages with begin_pair /
+        # end_pair (the synthetic stand-ins) overlap in their own way; a pair of stages with
+        # nothing to hide runs as two actions, as the simulator's cost for it says
         self._communicates = {
             s: bool(getattr(st, "communicates", False)) for s, st in stages.items()
         }
+        pairs = schedule.rank_pairs(rank)
+        self._joint = frozenset(
+            i
+            for i in pairs
+            if self._communicates[self.actions[i].stage]
+            or self._communicates[self.actions[i + 1].stage]
+        )
         self._pairs = {
             i: (stages[self.actions[i].stage], stages[self.actions[i + 1].stage])
             for i in pairs - self._joint
@@ -292,7 +296,9 @@ class PipelineRank:
             return f"step {step}: pipeline rank {self.rank} waits for the gradient allreduce"
         action = self.actions[pos]
         detail = ""
-        if action.kind in (Kind.RECV_F, Kind.RECV_B):
+        if pos in self._joint:
+            detail = f" & {self.actions[pos + 1]}, an overlapped pair"
+        elif action.kind in (Kind.RECV_F, Kind.RECV_B):
             peer_stage = action.stage - 1 if action.kind == Kind.RECV_F else action.stage + 1
             detail = f", waiting for pipeline rank {self.rank_of_stage[peer_stage]}"
         elif action.kind in (Kind.SEND_F, Kind.SEND_B):
@@ -312,8 +318,11 @@ class PipelineRank:
         shown = " ".join(
             f">>{a}<<" if i == pos else str(a) for i, a in enumerate(self.actions[lo:hi], start=lo)
         )
+        what = str(self.actions[pos])
+        if pos in self._joint:  # either half may have failed: both run now
+            what += f" & {self.actions[pos + 1]}, an overlapped pair"
         return (
-            f"step {step}, action {pos} ({self.actions[pos]}) of pipeline rank {self.rank}: "
+            f"step {step}, action {pos} ({what}) of pipeline rank {self.rank}: "
             f"{type(exc).__name__}: {exc}\n  actions: {'... ' if lo else ''}{shown}"
             f"{' ...' if hi < len(self.actions) else ''}"
         )

@@ -50,6 +50,7 @@ CASES = {  # name -> (deck, cuda_aware, events that answer "not done" first, ext
         ("moe-staged", "moe_tiny", "off", 1, []),
         # overlapped F&B pairs with an MoE block in every stage: two exchanges in flight at
         # once, each through its own staging buffers
+        ("moe-direct-pairs", "moe_tiny", "on", 0, [*PAIRS, "moe.every=1"]),
         ("moe-staged-pairs", "moe_tiny", "off", 1, [*PAIRS, "moe.every=1"]),
     ],
 }

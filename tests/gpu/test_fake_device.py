@@ -431,10 +431,15 @@ def test_moe_step_copies_only_its_budget_and_hands_mpi_safe_buffers():
     check_training(records)
     for rank in records[0]["ranks"]:
         assert rank["expected"]["routing"] > 0 and rank["expected"]["moe_stats"] == 1
-    pairs = next(r for r in records if r["case"] == "moe-staged-pairs")
-    for rank in pairs["ranks"]:  # a second set of staging buffers: two exchanges were out
+    direct, staged = (
+        next(r for r in records if r["case"] == f"moe-{k}-pairs") for k in ("direct", "staged")
+    )
+    assert staged["ranks"][0]["loss"] == direct["ranks"][0]["loss"]  # bit for bit
+    for rank in staged["ranks"]:  # a second set of staging buffers: two exchanges were out
         assert rank["a2a_slots"] == ["a2a.recv", "a2a.recv.1", "a2a.send", "a2a.send.1"], rank
         assert rank["exchanges_in_flight"] == [], rank  # every slot given back
+    for rank in direct["ranks"]:  # CUDA-aware: MPI reads the device arrays, no slot taken
+        assert rank["a2a_slots"] == [] and rank["exchanges_in_flight"] == [], rank
 
 
 @pytest.mark.mpi

@@ -29,6 +29,8 @@ LAYOUTS = [  # (ranks, pp, dp, ep, extra overrides)
     # DualPipeV's overlapped F&B pairs, an MoE block in every stage: both halves' exchanges in
     # flight together, flat and two-phase
     (4, 2, 2, 2, ["pipeline.overlap_pairs=true", *PAIRS]),
+    # MoE in every other block: pairs of a stage with and one without (B first when only B has)
+    (4, 2, 2, 2, ["pipeline.overlap_pairs=true", "pipeline.schedule=dualpipe-v", "moe.every=2"]),
     (
         4,
         2,
