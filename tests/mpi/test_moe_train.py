@@ -148,3 +148,26 @@ def test_pairs_keep_both_halves_exchanges_in_flight(mpirun, tmp_path, paired):
             assert overlapping > 0, rank
         else:
             assert overlapping == 0, rank
+
+
+def test_an_error_inside_a_pair_names_both_halves(mpirun, tmp_path):
+    """The B half of rank 0's first pair (0F3 & 3BW1) raises: the job ends with exit 1 and the
+    report names the pair, whichever half failed."""
+    sets = [
+        f"run.output={tmp_path}",
+        "run.steps=2",
+        "topology.pp=2",
+        "topology.dp=2",
+        "topology.ep=2",
+        "pipeline.schedule=dualpipe-v",
+        "pipeline.overlap_pairs=true",
+    ]
+    r = mpirun(
+        4,
+        ["run", DECK, *[a for s in sets for a in ("--set", s)]],
+        timeout=120,
+        env={"HPCPIPE_INJECT_FAULT": "rank=0,at=backward:1,kind=raise,hit=2"},
+    )
+    assert r.returncode == 1, r.output
+    assert "[rank 0 on " in r.stderr and "InjectedFault" in r.stderr, r.stderr
+    assert "(0F3 & 3BW1, an overlapped pair)" in r.stderr, r.stderr
