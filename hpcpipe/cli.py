@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from hpcpipe import __version__
 from hpcpipe.config import Config, ConfigError, dump_toml, load_config
+from hpcpipe.console import say
 from hpcpipe.mpi.guard import EXIT_BAD_INPUT, abort_on_error, launcher_rank, under_launcher
 
 if TYPE_CHECKING:  # NumPy must not load before `run` blocks the stop signals (its BLAS
@@ -402,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if launcher_rank() == 0:
             from hpcpipe.textsafe import printable
 
-            print(printable(f"ERROR: {exc}"), file=sys.stderr, flush=True)
+            say(printable(f"ERROR: {exc}"), err=True)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

@@ -9,11 +9,11 @@ sweep runtimes both follow that protocol through the three names here.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from hpcpipe.config import ConfigError
+from hpcpipe.console import say
 from hpcpipe.io.checkpoint import CheckpointError, latest_checkpoint, resolve_checkpoint
 from hpcpipe.signals import StopSignal
 
@@ -81,7 +81,7 @@ def find_checkpoint(comm: Any, where: str, directory: Path | None) -> Path:
         except CheckpointError as exc:
             path = ConfigError("--resume", "", str(exc))
         for note in notes:
-            print(f"WARNING: --resume: {note}", file=sys.stderr, flush=True)
+            say(f"WARNING: --resume: {note}", err=True)
     path = comm.bcast(path, root=0)
     if isinstance(path, Exception):
         raise path

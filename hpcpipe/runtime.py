@@ -7,7 +7,6 @@ message; anything unexpected on any rank aborts the whole job (see hpcpipe.mpi.g
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 from hpcpipe.backend import Backend, make_backend
 from hpcpipe.config import Config, ConfigError, dump_toml
+from hpcpipe.console import say
 from hpcpipe.faults import maybe_fail
 from hpcpipe.mpi.watchdog import Watchdog
 from hpcpipe.topology import RankMap
@@ -59,12 +59,12 @@ class RunContext:
         """Progress on rank 0 only; with --verbose every rank, each line prefixed by its rank
         (rank 0 included, so interleaved lines can always be told apart)."""
         if self.verbose:
-            print(f"[rank {self.rank}] {message}", flush=True)
+            say(f"[rank {self.rank}] {message}")
         elif self.rank == 0:
-            print(message, flush=True)
+            say(message)
 
     def log_all(self, message: str) -> None:
-        print(f"[rank {self.rank}] {message}", flush=True)
+        say(f"[rank {self.rank}] {message}")
 
 
 def layout_text(config: Config, rankmap: RankMap) -> str:
@@ -92,7 +92,7 @@ def _check_slurm(world: Any, config: Config) -> Any:
         return None  # ranks see different allocations (mixed environments): nothing to tell
     for warning in check_slurm(layout, world.size, config.topology.ranks_per_node, config.source):
         if world.rank == 0:
-            print(f"WARNING: {warning}", file=sys.stderr, flush=True)
+            say(f"WARNING: {warning}", err=True)
     return layout
 
 
@@ -171,17 +171,16 @@ def _start_and_run(config: Config, watchdog: Watchdog, options: RunOptions) -> i
         if not node_info.virtual:
             warning = slurm_nodes_warning(slurm, node_info.nodes)
             if warning:
-                print(f"WARNING: {warning}", file=sys.stderr, flush=True)
+                say(f"WARNING: {warning}", err=True)
         for problem in rankmap.check_intra_node(topo.intra_node):
             if topo.cross_node == "warn":
-                print(f"WARNING: {problem}", file=sys.stderr, flush=True)
+                say(f"WARNING: {problem}", err=True)
         if not node_info.uniform and not node_info.virtual:
-            print(
+            say(
                 "WARNING: ranks are not placed block-wise on nodes (or nodes hold different "
                 "counts); node-aware grouping assumes consecutive ranks per node. Use block "
                 "placement (srun --distribution=block) or set topology.ranks_per_node",
-                file=sys.stderr,
-                flush=True,
+                err=True,
             )
     if options.dry_run:
         if world.rank == 0:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 from typing import Any
 
+from hpcpipe.console import say
 from hpcpipe.mpi.guard import launcher_rank
 
 __all__ = ["StopSignal", "catch_stop_signals"]
@@ -90,14 +90,13 @@ class _SignalThread:
             with self.lock:
                 if signum in self.received:  # asked twice: stop now, like the default action
                     if launcher_rank() == 0:  # one line for the job, not one per rank
-                        print(f"hpcpipe: second {name}: exiting now", file=sys.stderr, flush=True)
+                        say(f"hpcpipe: second {name}: exiting now", err=True)
                     os._exit(128 + signum)
                 if signum == signal.SIGINT and launcher_rank() == 0:
-                    print(
+                    say(
                         f"hpcpipe: {name}: stopping after this step with a checkpoint "
                         "(press Ctrl-C again to exit at once)",
-                        file=sys.stderr,
-                        flush=True,
+                        err=True,
                     )
                 self.received.append(signum)
                 for listener in self.listeners:

@@ -20,6 +20,7 @@ from hpcpipe.bench.registry import BENCHMARKS, benchmark
 from hpcpipe.bench.sizes import parse_bytes
 from hpcpipe.cli import register_command
 from hpcpipe.config import ConfigError
+from hpcpipe.console import say
 from hpcpipe.schedules.registry import SCHEDULE_NAMES
 
 __all__: list[str] = []
@@ -265,11 +266,11 @@ def _execute(args: argparse.Namespace) -> int:
             if report.stream:
                 report.finish()
             else:
-                print(report.render(), flush=True)
+                say(report.render())
             if args.json:
                 info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
                 path = report.write(args.json, command=_command(comm.size), machine=info)
-                print(f"# wrote {path}", flush=True)
+                say(f"# wrote {path}")
         return 0
 
     return abort_on_error(job, bad_input=(ConfigError,))

@@ -48,6 +48,7 @@ from mpi4py import MPI
 from hpcpipe.bench.harness import idle_barrier, median
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.config import ConfigError
+from hpcpipe.console import say
 from hpcpipe.sweep.blocking import KERNEL_COSTS, SweepCost, predict_makespan
 from hpcpipe.sweep.config import SweepConfig
 from hpcpipe.sweep.kernel import resolve_kernel
@@ -345,7 +346,7 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
         for case in [*many[k:], *many[:k]]:
             case.measure()
         if comm.rank == 0:
-            print(f"# repetition {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
+            say(f"# repetition {rep + 1}/{repeats} done", err=True)
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     if comm.rank == 0:

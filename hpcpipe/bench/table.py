@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcpipe.console import say
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -126,19 +128,19 @@ class Report:
         """Print the title and header now (streaming mode)."""
         if self.stream:
             for text in self.title:
-                print(f"# {text}", flush=True)
-            print(self.header(), flush=True)
+                say(f"# {text}")
+            say(self.header())
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         if self.stream:
-            print(self.line(row), flush=True)
+            say(self.line(row))
 
     def note(self, text: str) -> None:
         """A closing comment line (a summary, a target met or missed)."""
         self.notes.append(text)
         if self.stream:
-            print(f"# {text}", flush=True)
+            say(f"# {text}")
 
     def target(self, what: str, want: str, got: str, met: bool, detail: str = "") -> None:
         """Record a target beside the figure measured for it (printed by `render_targets`)."""
@@ -161,7 +163,7 @@ class Report:
         """Print the targets table now (streaming mode)."""
         if self.stream:
             for line in self.render_targets():
-                print(line, flush=True)
+                say(line)
 
     def render(self) -> str:
         """The whole table as printed."""

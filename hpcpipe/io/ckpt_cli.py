@@ -11,10 +11,10 @@ must stay cheap and must never start MPI.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hpcpipe.cli import register_command
+from hpcpipe.console import say
 from hpcpipe.mpi.guard import EXIT_BAD_INPUT, EXIT_RUNTIME
 
 __all__: list[str] = []
@@ -44,7 +44,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 def _error(message: object) -> None:
     from hpcpipe.textsafe import printable
 
-    print(printable(f"ERROR: {message}"), file=sys.stderr, flush=True)
+    say(printable(f"ERROR: {message}"), err=True)
 
 
 def _execute(args: argparse.Namespace) -> int:
@@ -62,7 +62,7 @@ def _execute(args: argparse.Namespace) -> int:
     try:  # what cannot be opened at all is bad input (exit 2)
         step_dir = resolve_checkpoint(args.path, notes)
         for note in notes:
-            print(printable(f"WARNING: {note}"), file=sys.stderr, flush=True)
+            say(printable(f"WARNING: {note}"), err=True)
         if args.ckpt_verb == "inspect":
             print(printable(inspect_checkpoint(step_dir, slices=args.slices)))
             return 0

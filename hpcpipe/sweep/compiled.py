@@ -8,17 +8,20 @@ kernel's order of operations (the fix-up as the same rounds), so both kernels gi
 and faces bit for bit; phi may differ in the last bit, as NumPy's matmul may pair the terms of
 the sum over directions differently.
 
-numba is optional: `available()` says whether it is installed, and the loops (_numba_kernels)
-are imported, and compiled or loaded from numba's cache, on the first sweep only.
+numba is optional: `available()` says whether it is installed. `prepare()` imports the loops
+(_numba_kernels) and compiles them, or loads them from numba's cache, before the first iteration:
+a first compile takes seconds, which would otherwise count against the first iteration's
+watchdog and grind time.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PROGRESS_UNKNOWNS", "available", "sweep_block_compiled"]
+__all__ = ["PROGRESS_UNKNOWNS", "available", "prepare", "sweep_block_compiled"]
 
 PROGRESS_UNKNOWNS = 32_768
 """With a `progress` callback, the block is swept in slabs of x layers of about this many
@@ -30,6 +33,35 @@ the faces its neighbours wait for."""
 def available() -> bool:
     """numba can be imported (checked without importing it, which takes a while)."""
     return importlib.util.find_spec("numba") is not None
+
+
+def prepare() -> tuple[float, bool]:
+    """Compile the loops for the argument types `sweep_block_compiled` passes (or load them
+    from numba's cache); returns (seconds taken, whether they were compiled rather than loaded).
+
+    The types are those of every caller: ten int64 extents, C-contiguous float64 coefficients
+    (1-D), source, cross section and phi (2-D) and faces (3-D), two flags. A caller passing
+    other layouts would compile its own specialisation lazily, as numba always does."""
+    t0 = time.perf_counter()
+    from numba import types
+
+    from hpcpipe.sweep._numba_kernels import sweep_block_loops
+
+    def array(ndim: int) -> Any:
+        return types.Array(types.float64, ndim, "C")
+
+    signature = (
+        *(types.int64,) * 10,
+        *(array(1),) * 5,
+        *(array(2),) * 3,
+        *(array(3),) * 3,
+        types.boolean,
+        types.boolean,
+    )
+    misses = sum(sweep_block_loops.stats.cache_misses.values())
+    sweep_block_loops.compile(signature)
+    compiled = sum(sweep_block_loops.stats.cache_misses.values()) > misses
+    return time.perf_counter() - t0, compiled
 
 
 def sweep_block_compiled(

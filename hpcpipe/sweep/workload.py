@@ -22,7 +22,7 @@ from hpcpipe.io.trace_config import TraceConfig
 from hpcpipe.jobcontrol import StopSignal, find_checkpoint, write_status
 from hpcpipe.mpi import Comm
 from hpcpipe.mpi.watchdog import Watchdog
-from hpcpipe.sweep import checkpointing
+from hpcpipe.sweep import checkpointing, compiled
 from hpcpipe.sweep.blocking import describe_blocking
 from hpcpipe.sweep.config import SweepConfig
 from hpcpipe.sweep.kernel import resolve_kernel
@@ -116,6 +116,10 @@ def run_sweep(
         f"predicted_stages={predicted.stages} predicted_efficiency={predicted.efficiency:.3f}"
     )
 
+    if kernel == "numba":
+        seconds, fresh = compiled.prepare()
+        how = "compiled (cached for later runs)" if fresh else "loaded from numba's cache"
+        log(f"sweep kernel: numba loops {how} in {seconds:.1f} s")
     rec = trace.recorder(comm.rank)
     if rec.enabled:
         rec.align_clock(comm)

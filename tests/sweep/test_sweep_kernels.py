@@ -98,3 +98,24 @@ def test_deck_kernel_errors_name_the_key(monkeypatch):
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["sweep.kernel=fortran"])
     assert info.value.key == "sweep.kernel"
+
+
+def test_prepare_compiles_the_one_signature_a_sweep_uses(tmp_path):
+    """`prepare` compiles ahead of the first iteration exactly what the solver then calls: a
+    whole run (numba kernel, fix-up on) adds no specialisation of its own, so no compile is left
+    to land inside the first iteration's watchdog."""
+    pytest.importorskip("numba")
+    from mpi4py import MPI
+
+    from hpcpipe.sweep._numba_kernels import sweep_block_loops
+    from hpcpipe.sweep.workload import run_sweep
+
+    seconds, _ = compiled.prepare()
+    assert seconds >= 0
+    prepared = list(sweep_block_loops.signatures)
+    assert len(prepared) >= 1
+    messages: list[str] = []
+    cfg = load_config(TINY, ["sweep.kernel='numba'"]).sweep
+    run_sweep(cfg, MPI.COMM_SELF, tmp_path / "run", log=messages.append)
+    assert list(sweep_block_loops.signatures) == prepared
+    assert any(m.startswith("sweep kernel: numba loops ") for m in messages), messages
