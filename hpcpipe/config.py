@@ -284,6 +284,7 @@ _SECTIONS: dict[str, str | type] = {
     "optim": "hpcpipe.train.optim:OptimConfig",
     "sweep": "hpcpipe.sweep.config:SweepConfig",
     "train": "hpcpipe.train.settings:TrainConfig",
+    "replan": "hpcpipe.train.replan:ReplanConfig",
     "moe": "hpcpipe.moe.config:MoEConfig",
     "checkpoint": "hpcpipe.io.ckpt_config:CheckpointConfig",
     "trace": "hpcpipe.io.trace_config:TraceConfig",

@@ -107,9 +107,13 @@ def unit_costs(units: Sequence[Module]) -> list[UnitCost]:
     return [UnitCost(u.n_params, u.flops_per_token()) for u in units]
 
 
-def balance(weights: Sequence[float], n_stages: int) -> list[range]:
+def balance(
+    weights: Sequence[float], n_stages: int, scale: Sequence[float] | None = None
+) -> list[range]:
     """Split `weights` into `n_stages` contiguous, non-empty ranges minimising the heaviest one.
 
+    `scale` (per stage, default all 1) multiplies a stage's weight: the time per unit of weight
+    on the rank that holds it, so a rank measured twice as slow is given half the work.
     Exact dynamic programme; among partitions with the same heaviest stage it prefers the one with
     the smaller sum of squared stage weights (flatter), then the earlier split points.
     """
@@ -121,6 +125,9 @@ def balance(weights: Sequence[float], n_stages: int) -> list[range]:
     w = np.asarray(weights, dtype=np.float64)
     if np.any(w < 0) or not np.all(np.isfinite(w)):
         raise ValueError("unit weights must be finite and >= 0")
+    k = np.ones(n_stages) if scale is None else np.asarray(scale, dtype=np.float64)
+    if k.shape != (n_stages,) or np.any(k <= 0) or not np.all(np.isfinite(k)):
+        raise ValueError(f"scale must give {n_stages} finite numbers > 0")
     prefix = np.concatenate(([0.0], np.cumsum(w)))
     worst = np.full((n_stages + 1, n + 1), np.inf)
     squares = np.full((n_stages + 1, n + 1), np.inf)
@@ -129,7 +136,7 @@ def balance(weights: Sequence[float], n_stages: int) -> list[range]:
     for s in range(1, n_stages + 1):
         for i in range(s, n - (n_stages - s) + 1):
             j = np.arange(s - 1, i)
-            seg = prefix[i] - prefix[j]
+            seg = (prefix[i] - prefix[j]) * k[s - 1]
             m = np.maximum(worst[s - 1, j], seg)
             q = squares[s - 1, j] + seg * seg
             best = np.lexsort((j, q, m))[0]
@@ -142,7 +149,10 @@ def balance(weights: Sequence[float], n_stages: int) -> list[range]:
 
 
 def balance_placement(
-    weights: Sequence[float], n_stages: int, stages_of_rank: Sequence[Sequence[int]]
+    weights: Sequence[float],
+    n_stages: int,
+    stages_of_rank: Sequence[Sequence[int]],
+    rank_scale: Sequence[float] | None = None,
 ) -> list[range]:
     """Contiguous stages whose *rank* loads are balanced, for placements with several stages per
     rank (V shapes hold stages r and 2p-1-r; interleaved r, r+p, ...).
@@ -150,21 +160,29 @@ def balance_placement(
     Balancing each stage alone can leave a V's middle ranks with twice the work of rank 0 (whose
     two chunks hold the light embedding and loss head). Starting from the per-stage optimum, this
     moves single stage boundaries while that lowers the heaviest rank (then the sum of squared
-    rank loads); a rank's load is the sum of its stages' weights.
+    rank loads); a rank's load is the sum of its stages' weights, times its `rank_scale` (time
+    per unit of weight on that rank, default 1).
     """
-    ranges = balance(weights, n_stages)
+    owner = np.empty(n_stages, dtype=np.int64)
+    for r, row in enumerate(stages_of_rank):
+        owner[list(row)] = r
+    k = (
+        np.ones(len(stages_of_rank))
+        if rank_scale is None
+        else np.asarray(rank_scale, dtype=np.float64)
+    )
+    if k.shape != (len(stages_of_rank),):
+        raise ValueError(f"rank_scale must give {len(stages_of_rank)} numbers, one per rank")
+    ranges = balance(weights, n_stages, k[owner])
     if all(len(row) == 1 for row in stages_of_rank):
         return ranges  # one stage per rank: the per-stage optimum is the rank optimum
     w = np.asarray(weights, dtype=np.float64)
     prefix = np.concatenate(([0.0], np.cumsum(w)))
-    owner = np.empty(n_stages, dtype=np.int64)
-    for r, row in enumerate(stages_of_rank):
-        owner[list(row)] = r
     bounds = [rg.start for rg in ranges] + [len(w)]
 
     def score(b: list[int]) -> tuple[float, float]:
         stage = prefix[b[1:]] - prefix[b[:-1]]
-        load = np.bincount(owner, weights=stage, minlength=len(stages_of_rank))
+        load = np.bincount(owner, weights=stage, minlength=len(stages_of_rank)) * k
         return float(load.max()), float((load * load).sum())
 
     best = score(bounds)
@@ -188,18 +206,20 @@ def partition(
     n_stages: int,
     by: str | Sequence[int] = "flops",
     stages_of_rank: Sequence[Sequence[int]] | None = None,
+    rank_scale: Sequence[float] | None = None,
 ) -> list[range]:
     """Contiguous unit ranges, one per stage: balanced by "params" or "flops", or explicit sizes.
 
     Explicit sizes are the number of units of each stage, e.g. ``[2, 3, 3, 2]`` for 10 units.
-    With `stages_of_rank` (the schedule's placement) the balance is over ranks, not stages.
+    With `stages_of_rank` (the schedule's placement) the balance is over ranks, not stages;
+    `rank_scale` (with it) is each rank's time per unit of weight (a rank 2x slower: 2).
     """
     if isinstance(by, str):
         if by not in ("params", "flops"):
             raise ValueError(f"by = {by!r} must be 'params', 'flops' or a list of stage sizes")
         weights = [u.n_params if by == "params" else u.flops_per_token() for u in units]
         if stages_of_rank is not None:
-            return balance_placement(weights, n_stages, stages_of_rank)
+            return balance_placement(weights, n_stages, stages_of_rank, rank_scale)
         return balance(weights, n_stages)
     sizes = [int(s) for s in by]
     if len(sizes) != n_stages:

@@ -21,6 +21,7 @@ receive buffer must be copied, or not refilled, while those contexts are alive.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -51,6 +52,21 @@ class Stage:
         self.is_last = isinstance(self.units[-1], LossHead)
         self.communicates = any(hasattr(u, "forward_steps") for u in self.units)
         """Some unit pauses at collectives in F and B (MoE blocks): what a pair interleaves."""
+        self.unit_ns: dict[tuple[str, int], int] | None = None
+        """Set to a dict to have F, B and W time each unit: nanoseconds by (kind, global
+        index), summed until the caller resets it (re-planning weighs layers by them). A unit
+        that pauses at collectives is timed from its start to its end, its exchanges included."""
+
+        self.slowdown = 1.0
+        """Each unit's F, B and W take this many times as long: an injected `kind=slow` fault
+        (`hpcpipe.faults.slowdown`), a stand-in for a throttled or older device."""
+
+    def _timed(self, kind: str, i: int, t0: int) -> None:
+        if self.slowdown > 1.0:
+            time.sleep((time.perf_counter_ns() - t0) * (self.slowdown - 1.0) * 1e-9)
+        if self.unit_ns is not None:
+            key = (kind, i)
+            self.unit_ns[key] = self.unit_ns.get(key, 0) + time.perf_counter_ns() - t0
 
     def __repr__(self) -> str:
         return f"Stage(units {self.indices.start}..{self.indices.stop - 1})"
@@ -78,6 +94,7 @@ class Stage:
         yield their collectives, so an overlapped pair can interleave F with another B."""
         ctxs = []
         for i, unit in zip(self.indices, self.units, strict=True):
+            t0 = time.perf_counter_ns()
             if isinstance(unit, LossHead):
                 if targets is None:
                     raise ValueError(f"{self} ends with the loss head: forward needs targets")
@@ -89,6 +106,7 @@ class Stage:
             else:
                 assert isinstance(unit, Layer)
                 x, ctx = unit.forward(params[i], x)
+            self._timed("F", i, t0)
             ctxs.append(ctx)
         return x, ctxs
 
@@ -114,10 +132,12 @@ class Stage:
         wctxs: list[Any] = [None] * len(self.units)
         for k in reversed(range(len(self.units))):
             i, unit = self.indices[k], self.units[k]
+            t0 = time.perf_counter_ns()
             if hasattr(unit, "backward_input_steps"):
                 dy, wctxs[k] = yield from unit.backward_input_steps(params[i], ctx[k], dy)
             else:
                 dy, wctxs[k] = unit.backward_input(params[i], ctx[k], dy)
+            self._timed("B", i, t0)
         return dy, wctxs
 
     def backward_weight(self, params: Params, wctx: Any) -> Params:
@@ -130,7 +150,10 @@ class Stage:
         """W unit by unit, in the order of `params`: a caller can act on each unit's gradients
         as soon as they exist (start reducing them while the next unit computes)."""
         for i, unit, w in zip(self.indices, self.units, wctx, strict=True):
-            yield i, unit.backward_weight(params[i], w)
+            t0 = time.perf_counter_ns()
+            grads = unit.backward_weight(params[i], w)
+            self._timed("W", i, t0)
+            yield i, grads
 
     def backward(self, params: Params, ctx: Any, dy: Any) -> tuple[Array | None, Params]:
         """Fused BW: B then W at once (schedules without a B/W split)."""

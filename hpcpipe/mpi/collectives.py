@@ -29,7 +29,14 @@ from mpi4py import MPI
 from hpcpipe.backend import Backend
 from hpcpipe.faults import maybe_fail
 
-__all__ = ["BucketedAllreduce", "FlatBuffer", "Reduction", "allreduce", "allreduce_value"]
+__all__ = [
+    "BucketedAllreduce",
+    "FlatBuffer",
+    "Reduction",
+    "allreduce",
+    "allreduce_value",
+    "exchange_objects",
+]
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -46,6 +53,23 @@ def allreduce(comm: Any, values: Any, op: str = "sum") -> np.ndarray:
 def allreduce_value(comm: Any, value: Any, op: str = "sum") -> Any:
     """The reduction of one Python value (a number) over `comm`."""
     return comm.allreduce(value, op=_op(op))
+
+
+MOVE_TAG = 32767
+"""The tag of `exchange_objects` (MPI guarantees tags up to 32767): a re-plan moves layers
+between steps, when the pipeline's own messages are all complete."""
+
+
+def exchange_objects(comm: Any, outgoing: dict[int, Any], sources: Any) -> dict[int, Any]:
+    """Send each `outgoing[dest]` to rank `dest` and receive one object from each of `sources`.
+
+    Every rank derives both from the same plan (who holds what before and after), so no count
+    needs exchanging first. Sends are posted before any receive, so no order of pairs can
+    deadlock; objects travel pickled (host arrays: mpi4py ships their buffers out of band)."""
+    requests = [comm.isend(obj, dest=dest, tag=MOVE_TAG) for dest, obj in outgoing.items()]
+    received = {src: comm.recv(source=src, tag=MOVE_TAG) for src in sorted(sources)}
+    MPI.Request.waitall(requests)
+    return received
 
 
 def _op(name: str) -> MPI.Op:

@@ -16,22 +16,30 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.config import ConfigError, dump_toml
-from hpcpipe.faults import maybe_fail
+from hpcpipe.faults import maybe_fail, slowdown
 from hpcpipe.io.space import ensure_space
 from hpcpipe.io.trace import EventKind, write_trace
 from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.model.models import boundary_shape, build_model, partition
 from hpcpipe.model.stage import Stage
 from hpcpipe.moe import summarize_stats
-from hpcpipe.mpi.collectives import allreduce
+from hpcpipe.mpi.collectives import allreduce, exchange_objects
 from hpcpipe.mpi.p2p import TagLimitError
 from hpcpipe.runtime import RunContext
 from hpcpipe.schedules.ir import Schedule
 from hpcpipe.topology import format_ranks
 from hpcpipe.train.checkpointing import restore, save
 from hpcpipe.train.data import build_dataset
-from hpcpipe.train.optim import apply_update, clip_scale, init_state, learning_rate
+from hpcpipe.train.optim import OptimState, apply_update, clip_scale, init_state, learning_rate
 from hpcpipe.train.pipeline import PipelineRank, StepResult
+from hpcpipe.train.replan import (
+    Measured,
+    Replanner,
+    action_costs,
+    cost_model,
+    initial_scale,
+    unit_groups,
+)
 
 __all__ = ["run"]
 
@@ -80,7 +88,10 @@ def _stage_ranges(
             f"= {ctx.config.model.layers} gives {n_units} pipeline units, fewer "
             f"than the schedule's {n_stages} stages; add layers or lower pp / v",
         )
-    return partition(units, n_stages, by=train.partition, stages_of_rank=stages_of_rank)
+    scale = initial_scale(ctx.config.replan, len(stages_of_rank), ctx.config.source)
+    return partition(
+        units, n_stages, by=train.partition, stages_of_rank=stages_of_rank, rank_scale=scale
+    )
 
 
 def run(ctx: RunContext) -> None:
@@ -131,6 +142,7 @@ class Trainer:
             ctx, len(units), self.schedule.num_stages, units, self.schedule.stages_of_rank
         )
         self.mine = self.schedule.stages_of_rank[self.coords["pp"]]
+        self.units, self.ranges = units, list(ranges)
         stages = {s: Stage(units, ranges[s]) for s in self.mine}
         self.params = {s: stages[s].init(cfg.run.seed, xp, dtype) for s in self.mine}
         self.opt_state = {s: init_state(cfg.optim, self.params[s]) for s in self.mine}
@@ -140,8 +152,42 @@ class Trainer:
             self.rec.align_clock(ctx.comms.world)
         if self.group is not None:
             self.group.recorder = self.rec
+        self.runner = self._build_runner(stages)
+        self.needs_data = any(stages[s].is_first or stages[s].is_last for s in self.mine)
+        self.history: dict[str, list[float]] = {}
+        self._pending: list[tuple] = []  # steps whose figures are not reduced yet
+        # the timing report's medians use the last TIMED_STEPS steps: a long run stays flat
+        self.action_log: deque[dict[tuple[str, int], float]] = deque(maxlen=TIMED_STEPS)
+        self.pipe_times: deque[float] = deque(maxlen=TIMED_STEPS)
+        self.replanner = (
+            Replanner(cfg.replan, self.schedule, unit_groups(units)) if cfg.replan.enabled else None
+        )
+        self.replans: list[dict[str, Any]] = []  # every switch, for the log and metrics.h5
+        # since the last check: per step, the actions' and the units' seconds
+        self._window: list[tuple[dict[tuple[str, int], float], dict[tuple[str, int], float]]] = []
+        self._time_units()
+        self._warm = False  # the first step of a partition pays first-touch costs: not timed
+        ctx.log(
+            f"train: model={cfg.model.kind} units={len(units)} schedule={self.schedule.name} "
+            f"stages={self.schedule.num_stages} microbatches={m} rows/mb={self.rows_mb} "
+            f"stage_units={[len(r) for r in ranges]}"
+            + (
+                f" optimal_loss={self.dataset.optimal_loss:.4f}"
+                if self.dataset.optimal_loss
+                else ""
+            )
+        )
+        if self.schedule.num_ranks > 1:
+            ctx.log(
+                f"pipeline rank {self.coords['pp']}: "
+                + self.runner.messages.describe(self.runner.mailbox.nbytes, ctx.backend.staged)
+            )
+
+    def _build_runner(self, stages: dict[int, Stage]) -> PipelineRank:
+        """The interpreter of this rank's actions over `stages` (again after a re-partition)."""
+        ctx, cfg = self.ctx, self.cfg
         try:
-            self.runner = PipelineRank(
+            return PipelineRank(
                 self.lowered,
                 self.coords["pp"],
                 stages,
@@ -164,27 +210,6 @@ class Trainer:
                 f"{self.schedule.num_stages} pipeline stages: {exc}; use fewer stages "
                 "(topology.pp, pipeline.virtual_stages)",
             ) from None
-        self.needs_data = any(stages[s].is_first or stages[s].is_last for s in self.mine)
-        self.history: dict[str, list[float]] = {}
-        self._pending: list[tuple] = []  # steps whose figures are not reduced yet
-        # the timing report's medians use the last TIMED_STEPS steps: a long run stays flat
-        self.action_log: deque[dict[tuple[str, int], float]] = deque(maxlen=TIMED_STEPS)
-        self.pipe_times: deque[float] = deque(maxlen=TIMED_STEPS)
-        ctx.log(
-            f"train: model={cfg.model.kind} units={len(units)} schedule={self.schedule.name} "
-            f"stages={self.schedule.num_stages} microbatches={m} rows/mb={self.rows_mb} "
-            f"stage_units={[len(r) for r in ranges]}"
-            + (
-                f" optimal_loss={self.dataset.optimal_loss:.4f}"
-                if self.dataset.optimal_loss
-                else ""
-            )
-        )
-        if self.schedule.num_ranks > 1:
-            ctx.log(
-                f"pipeline rank {self.coords['pp']}: "
-                + self.runner.messages.describe(self.runner.mailbox.nbytes, ctx.backend.staged)
-            )
 
     def restore(self) -> int:
         """Load the checkpoint named by --resume; returns the step to continue from."""
@@ -236,10 +261,17 @@ class Trainer:
             targets = [ctx.xp.asarray(t[k * rows : (k + 1) * rows]) for k in range(m)]
         # each microbatch's share of the global mean loss: summed gradients are the global mean's
         weight = rows / cfg.data.global_batch
+        factor = slowdown(step + 1, ctx.rank)
+        for stage in self.runner.stages.values():
+            stage.slowdown = factor
         result = self.runner.step(step, inputs, targets, weight)
-        if step > 0 or steps == 1:  # step 0 pays for first-touch allocations: warm-up
+        units = self._unit_seconds()
+        if self._warm or steps == 1:  # a partition's first step pays first-touch allocations
             self.action_log.append(result.action_times)
             self.pipe_times.append(result.step_time)
+            if self.replanner is not None:
+                self._window.append((result.action_times, units))
+        self._warm = True
         loss, sq_norm, stopping = _reduce_scalars(
             ctx, self.runner, result, stop.flag if stop is not None else 0.0
         )
@@ -264,11 +296,119 @@ class Trainer:
             rec.record(
                 EventKind.STEP, -1, -1, t_step, rec.now(), result.peak_live_bytes, value=loss
             )
+        if self.replanner is not None and (step + 1) % cfg.replan.check_every == 0:
+            self._check_replan(step + 1)
         dt = time.perf_counter() - t0
         self._queue_figures(step, result, loss, sq_norm, lr, dt)
         if step % cfg.run.log_every == 0 or step == steps - 1:
             self.flush_figures()
         return stopping
+
+    def _time_units(self) -> None:
+        """With [replan] on, the stages time each unit (what re-planning weighs layers by)."""
+        if self.replanner is not None:
+            for stage in self.runner.stages.values():
+                stage.unit_ns = {}
+
+    def _unit_seconds(self) -> dict[tuple[str, int], float]:
+        """The step's seconds inside each unit (kind, index), the stages' timers reset."""
+        out: dict[tuple[str, int], float] = {}
+        for stage in self.runner.stages.values():
+            if stage.unit_ns:
+                out.update({key: ns * 1e-9 for key, ns in stage.unit_ns.items()})
+                stage.unit_ns.clear()
+        return out
+
+    def _check_replan(self, done: int) -> None:
+        """Collective, every `replan.check_every` steps: gather the window's action costs on
+        rank 0, which decides; every rank switches to the partition it broadcasts, if any."""
+        ctx = self.ctx
+        window, self._window = self._window, []
+        world = ctx.comms.world
+        mine: tuple[dict, dict] = ({}, {})
+        if window:
+            keys = {k for _, units in window for k in units}
+            mine = (
+                action_costs(self.schedule, self.coords["pp"], [a for a, _ in window]),
+                {k: float(np.median([u.get(k, 0.0) for _, u in window])) for k in keys},
+            )
+        parts = world.gather(mine, root=0)
+        decision = None
+        if ctx.rank == 0:
+            merged: tuple[dict, dict] = ({}, {})
+            for part in parts:  # dp replicas of a stage: the slowest sets the pace
+                for into, values in zip(merged, part, strict=True):
+                    for key, value in values.items():
+                        into[key] = max(into.get(key, 0.0), value)
+            if len({s for _, s in merged[0]}) == self.schedule.num_stages:
+                assert self.replanner is not None
+                proposal = self.replanner.propose(self.ranges, Measured(*merged))
+                if self.replanner.decide(proposal):
+                    decision = (
+                        [(r.start, r.stop) for r in proposal.ranges],
+                        proposal.describe(),
+                        proposal.gain,
+                        proposal.predicted_now,
+                        proposal.predicted_new,
+                    )
+        decision = world.bcast(decision, root=0)
+        if decision is not None:
+            bounds, text, gain, before, after = decision
+            self._repartition([range(a, b) for a, b in bounds])
+            self.replans.append(
+                {
+                    "step": done,
+                    "gain": gain,
+                    "predicted_before_s": before,
+                    "predicted_after_s": after,
+                    "stage_units": [b - a for a, b in bounds],
+                }
+            )
+            ctx.log(f"replan after step {done}: {text}")
+
+    def _repartition(self, ranges: list[range]) -> None:
+        """Collective over each pipeline: move the units whose stage changes rank, with their
+        parameters and optimizer slots, over MPI (no restart, no file system), then rebuild
+        this rank's stages and interpreter. dp replicas move the same units alike."""
+        ctx, backend = self.ctx, self.ctx.backend
+        fingerprint = f"{self.lowered.fingerprint()}:{[(r.start, r.stop) for r in ranges]}"
+        if len(set(ctx.comms.world.allgather(fingerprint))) != 1:
+            raise RuntimeError(
+                f"re-plan: ranks disagree on the new plan (this rank: {fingerprint})"
+            )
+        pp_comm, me = ctx.comms.group("pp"), self.coords["pp"]
+        rank_of_stage = {s: r for r, row in enumerate(self.schedule.stages_of_rank) for s in row}
+        before = {i: rank_of_stage[s] for s, r in enumerate(self.ranges) for i in r}
+        after = {i: rank_of_stage[s] for s, r in enumerate(ranges) for i in r}
+        optim_step = self.opt_state[self.mine[0]].step
+        slots = list(self.opt_state[self.mine[0]].slots)
+        held = {
+            i: (self.params[s][i], {k: self.opt_state[s].slots[k][i] for k in slots})
+            for s in self.mine
+            for i in self.ranges[s]
+        }
+        outgoing: dict[int, dict[int, Any]] = {}
+        for i, dest in after.items():
+            if before[i] == me and dest != me:
+                outgoing.setdefault(dest, {})[i] = _tree_map(backend.to_host, held.pop(i))
+        sources = {before[i] for i, dest in after.items() if dest == me and before[i] != me}
+        self.runner.free()
+        for part in exchange_objects(pp_comm, outgoing, sources).values():
+            for i, tree in part.items():
+                held[i] = _tree_map(lambda a: ctx.xp.asarray(a, dtype=a.dtype), tree)
+        self.params = {s: {i: held[i][0] for i in ranges[s]} for s in self.mine}
+        self.opt_state = {
+            s: OptimState(optim_step, {k: {i: held[i][1][k] for i in ranges[s]} for k in slots})
+            for s in self.mine
+        }
+        self.ranges = list(ranges)
+        self.runner = self._build_runner({s: Stage(self.units, ranges[s]) for s in self.mine})
+        self._time_units()
+        # the timing report and the next check see the new partition only
+        self.action_log.clear()
+        self.pipe_times.clear()
+        self._window.clear()
+        self._warm = False
 
     def _queue_figures(
         self, step: int, result: StepResult, loss: float, sq_norm: float, lr: float, dt: float
@@ -385,7 +525,9 @@ class Trainer:
             else None
         )
         if ctx.rank == 0:
-            _write_metrics(ctx.output / "metrics.h5", self.history, cfg, timing, memory)
+            _write_metrics(
+                ctx.output / "metrics.h5", self.history, cfg, timing, memory, self.replans
+            )
             if cfg.train.save_params:
                 _write_params(ctx.output / "params.h5", final)
         if cfg.train.verify and complete and ctx.changed:
@@ -554,23 +696,12 @@ def _report_timing(
     The ratio is what the runtime (messages, waits, Python) adds beyond the plan's critical
     path of compute; it is the figure `benchmarks/pipeline_step.py` reports.
     """
-    from collections import Counter
+    from hpcpipe.schedules import simulate
 
-    from hpcpipe.schedules import CostModel, simulate
-
-    # per-action cost = time of a (kind, stage) over its count: not always m (DualPipeV mixes
-    # fused BW with split B/W on one stage)
     if not action_log:  # every rank ran the same steps: all return here together
         ctx.log("timing: no step after the warm-up step was timed (the run stopped after one)")
         return None
-    counts = Counter(
-        (a.kind.name, a.stage) for a in schedule.rank_actions(ctx.rankmap.coords(ctx.rank)["pp"])
-    )
-    mine: dict[tuple[str, int], float] = {}
-    for key in {k for entry in action_log for k in entry}:
-        if key[0] in ("F", "B", "W", "BW") and counts[key]:
-            total = float(np.median([entry.get(key, 0.0) for entry in action_log]))
-            mine[key] = total / counts[key]
+    mine = action_costs(schedule, ctx.rankmap.coords(ctx.rank)["pp"], action_log)
     parts = ctx.comms.group("pp").gather(mine, root=0)
     pipe = float(np.median(pipe_times)) if pipe_times else 0.0
     if ctx.rank != 0:
@@ -578,17 +709,8 @@ def _report_timing(
     costs: dict[tuple[str, int], float] = {}
     for part in parts:
         costs.update(part)
-    n = schedule.num_stages
-
-    def per_stage(kind: str) -> np.ndarray:
-        return np.array([costs.get((kind, st), np.nan) for st in range(n)])
-
-    t_f, t_b, t_w, t_bw = (per_stage(k) for k in ("F", "B", "W", "BW"))
-    split = ~np.isnan(t_b)
-    t_bw = np.where(np.isnan(t_bw), np.nan_to_num(t_b) + np.nan_to_num(t_w), t_bw)
-    t_b = np.where(split, t_b, t_bw / 2)
-    t_w = np.where(split, np.nan_to_num(t_w), t_bw / 2)
-    predicted = simulate(schedule, CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_bw=t_bw)).makespan
+    model = cost_model(costs, schedule.num_stages)
+    predicted = simulate(schedule, model).makespan
     full = float(np.median(step_times))
     ratio = pipe / predicted if predicted > 0 else float("nan")
     ctx.log(
@@ -602,10 +724,10 @@ def _report_timing(
         "pipeline_predicted_s": predicted,
         "ratio": ratio,
         "step_s": full,
-        "t_f": t_f,
-        "t_b": t_b,
-        "t_w": t_w,
-        "t_bw": t_bw,
+        "t_f": model.t_f,
+        "t_b": model.t_b,
+        "t_w": model.t_w,
+        "t_bw": model.t_bw,
     }
 
 
@@ -649,6 +771,7 @@ def _write_metrics(
     cfg,
     timing: dict[str, Any] | None = None,
     memory: dict[str, Any] | None = None,
+    replans: Sequence[dict[str, Any]] = (),
 ) -> None:
     import h5py
 
@@ -664,6 +787,10 @@ def _write_metrics(
             f.attrs[f"memory_{key}"] = np.asarray(value)
         for key, values in history.items():
             f.create_dataset(key, data=np.asarray(values))
+        if replans:  # one row per switch of the layer partition ([replan])
+            group = f.create_group("replan")
+            for key in replans[0]:
+                group.create_dataset(key, data=np.asarray([r[key] for r in replans]))
     tmp.replace(path)
 
 
@@ -722,3 +849,12 @@ def _verify(
             f"verify failed: parameters differ from the reference by {worst:.3e} "
             f"(at {where}), losses by {worst_loss:.3e}; tolerance {rtol:g}"
         )
+
+
+def _tree_map(fn: Any, tree: Any) -> Any:
+    """`fn` over the arrays of nested dicts and tuples (a unit's parameters and slots)."""
+    if isinstance(tree, dict):
+        return {k: _tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_tree_map(fn, v) for v in tree)
+    return fn(tree)

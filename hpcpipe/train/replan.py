@@ -1,0 +1,289 @@
+"""Re-planning a running pipeline around slow ranks: measured action costs in, a partition out.
+
+Under pipeline parallelism the slowest rank sets everyone's pace. The interpreter already times
+every action; every `check_every` steps those times (medians over the window) are turned into a
+rate per pipeline rank (seconds per unit of layer weight, per action kind), the layer partition
+is re-balanced for those rates, and the simulator predicts the step of both partitions from the
+same rates. A switch happens only when the predicted gain clears `min_gain`, and not within
+`cooldown` checks of the last one, so measurement noise never makes the plan flap.
+
+Everything here is pure (numbers in, numbers out); `hpcpipe.train.workload` gathers the costs,
+shares rank 0's decision and moves the layers (`hpcpipe.mpi.collectives.exchange_objects`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.config import ConfigError, option
+from hpcpipe.model.models import balance_placement
+from hpcpipe.schedules.ir import Schedule
+from hpcpipe.schedules.simulate import CostModel, simulate
+
+__all__ = [
+    "COMPUTE_KINDS",
+    "Measured",
+    "Proposal",
+    "ReplanConfig",
+    "Replanner",
+    "action_costs",
+    "cost_model",
+    "estimate_speeds",
+    "initial_scale",
+    "unit_groups",
+]
+
+COMPUTE_KINDS = ("F", "B", "W", "BW")
+
+Costs = Mapping[tuple[str, int], float]
+"""Seconds per action, keyed by (action kind name, stage)."""
+
+
+@dataclass(frozen=True)
+class ReplanConfig:
+    """[replan]: move layers between pipeline ranks while training, by their measured speed."""
+
+    enabled: bool = option(
+        False, "re-balance the layer partition from measured action costs during training"
+    )
+    check_every: int = option(
+        10,
+        "steps per check: the window whose median costs are compared with the plan (one "
+        "small gather and one broadcast per check)",
+        minimum=2,
+    )
+    min_gain: float = option(
+        0.05,
+        "switch only when the new partition's predicted step is at least this fraction "
+        "shorter than the current one's (measured with the same costs)",
+        minimum=0.0,
+        maximum=0.9,
+    )
+    cooldown: int = option(
+        1, "checks after a switch during which no other switch happens", minimum=0
+    )
+    speeds: tuple[float, ...] = option(
+        (),
+        "relative compute speed of each pipeline rank when known in advance (e.g. "
+        "[1, 1, 0.5, 1]: rank 2 is half as fast); the first partition and `hpcpipe plan` "
+        "use it; empty = all equal",
+        minimum=1e-3,
+    )
+
+
+def action_costs(
+    schedule: Schedule, pp_rank: int, window: Sequence[Mapping[tuple[str, int], float]]
+) -> dict[tuple[str, int], float]:
+    """One rank's seconds per compute action over a window of steps: the median of each
+    (kind, stage)'s per-step total over its count in the schedule (not always m: DualPipeV
+    mixes fused BW with split B/W on one stage)."""
+    counts = Counter((a.kind.name, a.stage) for a in schedule.rank_actions(pp_rank))
+    out: dict[tuple[str, int], float] = {}
+    for key in {k for entry in window for k in entry}:
+        if key[0] in COMPUTE_KINDS and counts[key]:
+            total = float(np.median([entry.get(key, 0.0) for entry in window]))
+            out[key] = total / counts[key]
+    return out
+
+
+def cost_model(costs: Costs, n_stages: int) -> CostModel:
+    """The simulator's per-stage costs from per-action ones; a stage timed only as fused BW is
+    split in halves, one timed only as B + W is fused as their sum."""
+
+    def per_stage(kind: str) -> np.ndarray:
+        return np.array([costs.get((kind, s), np.nan) for s in range(n_stages)])
+
+    t_f, t_b, t_w, t_bw = (per_stage(k) for k in COMPUTE_KINDS)
+    split = ~np.isnan(t_b)
+    t_bw = np.where(np.isnan(t_bw), np.nan_to_num(t_b) + np.nan_to_num(t_w), t_bw)
+    t_b = np.where(split, t_b, t_bw / 2)
+    t_w = np.where(split, np.nan_to_num(t_w), t_bw / 2)
+    return CostModel(t_f=np.nan_to_num(t_f), t_b=t_b, t_w=t_w, t_bw=t_bw)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One check's window, merged over ranks (dp replicas of a stage: the slowest)."""
+
+    stage_seconds: Costs
+    """Seconds per action, by (kind, stage)."""
+    unit_seconds: Costs
+    """Seconds per step spent inside each unit, by (kind, global unit index)."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A partition balanced for the estimated rank speeds, with both predicted steps."""
+
+    ranges: tuple[range, ...]
+    current: tuple[range, ...]
+    slowness: tuple[float, ...]
+    """Per pipeline rank: time for the same layer, relative to the fastest rank."""
+    predicted_now: float
+    predicted_new: float
+
+    @property
+    def gain(self) -> float:
+        """Fraction of the current predicted step the new partition saves."""
+        if self.predicted_now <= 0:
+            return 0.0
+        return 1.0 - self.predicted_new / self.predicted_now
+
+    @property
+    def changes(self) -> bool:
+        return self.ranges != self.current
+
+    def describe(self) -> str:
+        def sizes(ranges: Sequence[range]) -> list[int]:
+            return [len(r) for r in ranges]
+
+        return (
+            f"relative slowness per pipeline rank [{', '.join(f'{x:.2f}' for x in self.slowness)}]"
+            f", predicted step {self.predicted_now * 1e3:.2f} ms -> "
+            f"{self.predicted_new * 1e3:.2f} ms (gain {self.gain * 100:.1f}%), stage_units "
+            f"{sizes(self.current)} -> {sizes(self.ranges)}"
+        )
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(np.median(values))
+
+
+def estimate_speeds(
+    unit_seconds: Mapping[int, float],
+    unit_rank: Mapping[int, int],
+    groups: Sequence[Hashable],
+    n_ranks: int,
+    nominal: Mapping[Hashable, float],
+) -> np.ndarray:
+    """Each rank's slowness (the fastest = 1) from the time its units took.
+
+    Units of one group (same layer type and size: the transformer blocks) cost the same on
+    equal ranks, so a group held by several ranks compares them directly: a rank's slowness is
+    the median, over such groups, of its median unit time over the fastest rank's. A rank that
+    shares no group (a V's first rank holding only the embedding and the loss head) is timed
+    against `nominal`, the group costs learnt at earlier checks; without those it counts as 1.
+    """
+    by_group: dict[Hashable, dict[int, list[float]]] = {}
+    for i, sec in unit_seconds.items():
+        by_group.setdefault(groups[i], {}).setdefault(unit_rank[i], []).append(sec)
+    ratios: dict[int, list[float]] = {r: [] for r in range(n_ranks)}
+    for per_rank in by_group.values():
+        if len(per_rank) < 2:
+            continue
+        med = {r: _median(v) for r, v in per_rank.items()}
+        fastest = max(min(med.values()), 1e-300)
+        for r, m in med.items():
+            ratios[r].append(m / fastest)
+    slowness = np.ones(n_ranks)
+    for r in range(n_ranks):
+        if ratios[r]:
+            slowness[r] = _median(ratios[r])
+            continue
+        known = [
+            sec / nominal[groups[i]]
+            for i, sec in unit_seconds.items()
+            if unit_rank[i] == r and nominal.get(groups[i], 0.0) > 0
+        ]
+        if known:
+            slowness[r] = _median(known)
+    return slowness / max(float(slowness.min()), 1e-300)
+
+
+@dataclass
+class Replanner:
+    """Rank 0's re-planning state: what layers cost on a nominal rank (learnt at every check),
+    and the switching rule: a gain threshold, and a cooldown after each switch."""
+
+    config: ReplanConfig
+    schedule: Schedule
+    groups: Sequence[Hashable]
+    """Per unit: units with the same key cost the same on equal ranks (type and size)."""
+    nominal: dict[Hashable, float] = field(default_factory=dict)
+    """Seconds per step of one unit of each group on a rank of slowness 1 (F + B + W)."""
+    checks_since_switch: int | None = None
+    """None before the first switch (no cooldown yet)."""
+
+    def propose(self, current: Sequence[range], measured: Measured) -> Proposal:
+        """Estimate rank speeds and unit costs from `measured`, balance the partition for
+        them, and predict the step of both partitions from the same estimates (each stage's
+        time outside its units, messages and dispatch, stays with the stage)."""
+        schedule, n = self.schedule, self.schedule.num_stages
+        n_ranks = len(schedule.stages_of_rank)
+        owner = np.empty(n, dtype=np.int64)
+        for r, row in enumerate(schedule.stages_of_rank):
+            owner[list(row)] = r
+        unit_rank = {i: int(owner[s]) for s, rg in enumerate(current) for i in rg}
+        totals: dict[int, float] = {}
+        for (_, i), sec in measured.unit_seconds.items():
+            totals[i] = totals.get(i, 0.0) + sec
+        slowness = estimate_speeds(totals, unit_rank, self.groups, n_ranks, self.nominal)
+        learnt: dict[Hashable, list[float]] = {}
+        for i, sec in totals.items():
+            learnt.setdefault(self.groups[i], []).append(sec / slowness[unit_rank[i]])
+        self.nominal.update({g: _median(v) for g, v in learnt.items()})
+        cost = np.array([self.nominal.get(g, 0.0) for g in self.groups], dtype=np.float64)
+        cost = np.maximum(cost, 1e-3 * max(float(cost.mean()), 1e-300))
+        ranges = tuple(balance_placement(cost, n, schedule.stages_of_rank, slowness))
+        # each action keeps its measured time outside its units (messages, dispatch); the
+        # time inside them scales with the modelled work of the stage's units on its rank
+        counts = Counter((a.kind.name, a.stage) for row in schedule.actions for a in row)
+        spent = np.zeros(n)
+        for (kind, s), sec in measured.stage_seconds.items():
+            spent[s] += sec * counts[(kind, s)]
+        inside = np.zeros(n)
+        for s, rg in enumerate(current):
+            inside[s] = sum(totals.get(i, 0.0) for i in rg)
+        share = np.clip(inside / np.maximum(spent, 1e-300), 0.0, 1.0)
+
+        def work(rg: Sequence[range]) -> np.ndarray:
+            return np.array([slowness[owner[s]] * cost[list(r)].sum() for s, r in enumerate(rg)])
+
+        now = work(current)
+
+        def predict(rg: Sequence[range]) -> float:
+            factor = 1.0 - share + share * work(rg) / np.maximum(now, 1e-300)
+            modelled = {key: sec * factor[key[1]] for key, sec in measured.stage_seconds.items()}
+            return simulate(schedule, cost_model(modelled, n)).makespan
+
+        return Proposal(
+            ranges,
+            tuple(current),
+            tuple(float(x) for x in slowness),
+            predict(current),
+            predict(ranges),
+        )
+
+    def decide(self, proposal: Proposal) -> bool:
+        """Whether to switch to `proposal` now (and remember it when so)."""
+        if self.checks_since_switch is not None:
+            self.checks_since_switch += 1
+            if self.checks_since_switch <= self.config.cooldown:
+                return False
+        if not proposal.changes or proposal.gain < self.config.min_gain:
+            return False
+        self.checks_since_switch = 0
+        return True
+
+
+def unit_groups(units: Sequence[Any]) -> list[Hashable]:
+    """Units that cost the same on equal ranks share a key: their type and parameter count."""
+    return [(type(u).__name__, int(getattr(u, "n_params", 0))) for u in units]
+
+
+def initial_scale(config: ReplanConfig, n_ranks: int, source: str) -> list[float] | None:
+    """Per-rank time per unit of weight from `replan.speeds` (None when not given)."""
+    if not config.speeds:
+        return None
+    if len(config.speeds) != n_ranks:
+        raise ConfigError(
+            source,
+            "replan.speeds",
+            f"= {list(config.speeds)} must give one speed per pipeline rank ({n_ranks})",
+        )
+    return [1.0 / s for s in config.speeds]
