@@ -22,6 +22,7 @@ FIGURES = (
     "pipeline_step",
     "pipeline_synthetic",
     "pipeline_pairs",
+    "replan",
     "allreduce_overlap",
     "memory_peak",
     "sweep_grind",

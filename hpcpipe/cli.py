@@ -270,7 +270,40 @@ def _execute_plan(args: argparse.Namespace) -> int:
                 source=config.source,
             )
         )
+        if config.run.workload == "train":
+            print()
+            print(_partition_text(config, rankmap.pp))
     return 0
+
+
+def _partition_text(config: Config, pp: int) -> str:
+    """The layer partition the run will start with (by FLOPs or params, rank speeds)."""
+    from hpcpipe.model.models import build_model
+    from hpcpipe.schedules.report import runnable_schedule
+    from hpcpipe.train.checks import deck_partition
+
+    schedule, _ = runnable_schedule(config.pipeline, pp, config.source)
+    units = build_model(config.model, config.moe)
+    ranges = deck_partition(config, units, schedule.stages_of_rank)
+    train, speeds = config.train, config.replan.speeds
+    how = (
+        "as train.stage_units gives it"
+        if train.stage_units
+        else f"balanced by {train.partition}"
+        + (f" for rank speeds {list(speeds)} (replan.speeds)" if speeds else "")
+    )
+    lines = [f"layer partition {how}: stage_units {[len(r) for r in ranges]}"]
+    for rank, row in enumerate(schedule.stages_of_rank):
+        held = ", ".join(f"stage {s}: units {ranges[s].start}..{ranges[s].stop - 1}" for s in row)
+        flops = sum(units[i].flops_per_token() for s in row for i in ranges[s])
+        lines.append(f"  rank {rank}: {held} ({flops} FLOPs/token)")
+    if config.replan.enabled:
+        r = config.replan
+        lines.append(
+            f"re-planned while training from measured costs: every {r.check_every} steps, "
+            f"when the predicted gain is >= {r.min_gain:.0%} (cooldown {r.cooldown} checks)"
+        )
+    return "\n".join(lines)
 
 
 def _plan_rankmap(config: Config, world: int, ranks_per_node: int | None) -> RankMap:

@@ -29,7 +29,7 @@ def _category(kind: int) -> tuple[str, int]:
         return "step", 2
     if kind in _COMM:
         return "comm", 1
-    if kind == EventKind.CHECKPOINT:
+    if kind in (EventKind.CHECKPOINT, EventKind.REPLAN):
         return "io", 2
     return "compute", 0
 

@@ -5,9 +5,9 @@ Definitions (times on the aligned clock, one step at a time, then summed over re
   recorded, widens it to the whole step); its length is the step time.
 - per rank: `busy` is the union of compute events (F, B, W, BW, OPTIMIZER, SWEEP_BLOCK, EXPERT),
   `comm` the union of communication events (sends, receive waits, WAIT, collectives), `io` of
-  CHECKPOINT; `idle` is the rest of the step window. `overlap` is the share of comm time during
-  which the rank also computed (asynchronous collectives), `late_sender` the part of its receive
-  waits before the matching send had even started.
+  CHECKPOINT and REPLAN (moving layers); `idle` is the rest of the step window. `overlap` is
+  the share of comm time during which the rank also computed (asynchronous collectives),
+  `late_sender` the part of its receive waits before the matching send had even started.
 - bubble: over the pipeline actions only, as the simulator defines it: 1 - sum of the ranks'
   F/B/W/BW time / (ranks x span of the pipeline actions); `stage_bubble` is the papers'
   per-rank measure (max over ranks of 1 - own F/B/W/BW time / own span).
@@ -283,9 +283,18 @@ def _durations(ev: np.ndarray) -> np.ndarray:
     return (ev["t_end"] - ev["t_start"]).astype(np.int64)
 
 
-def _medians(trace: Trace, num_stages: int) -> dict[int, np.ndarray]:
-    """Median duration (ns) per (compute kind, stage); NaN where the pair never ran."""
+def _last_replan(trace: Trace) -> int:
+    """The last step that ended with a REPLAN event (0: none)."""
     tab = trace.table
+    steps = tab["step"][tab["kind"] == K.REPLAN]
+    return int(steps.max()) if steps.size else 0
+
+
+def _medians(trace: Trace, num_stages: int, after: int = 0) -> dict[int, np.ndarray]:
+    """Median duration (ns) per (compute kind, stage) over steps after `after`; NaN where the
+    pair never ran."""
+    tab = trace.table
+    tab = tab[tab["step"] > after] if after else tab
     out = {}
     for kind in _PIPE_COMPUTE.tolist():
         rows = tab[(tab["kind"] == kind) & (tab["stage"] >= 0) & (tab["stage"] < num_stages)]
@@ -460,7 +469,7 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
                 peak = max(peak, int(bracket["bytes"].max()))
             comp = sel[np.isin(sel["kind"], _COMPUTE)]
             com = sel[np.isin(sel["kind"], _COMM)]
-            ckp = sel[sel["kind"] == K.CHECKPOINT]
+            ckp = sel[np.isin(sel["kind"], (K.CHECKPOINT, K.REPLAN))]
             b = union_length(comp["t_start"], comp["t_end"])
             c = union_length(com["t_start"], com["t_end"])
             both = np.concatenate([comp, com])
@@ -496,9 +505,19 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
             )
         )
     sched = trace.schedule
-    medians = _medians(trace, sched.num_stages if sched is not None else _max_stage(trace))
+    # a run that re-planned its layers ran other stages before its last switch: the prediction
+    # and the memory model (the final partition's) are held against the steps after it
+    replanned = _last_replan(trace)
+    medians = _medians(
+        trace, sched.num_stages if sched is not None else _max_stage(trace), replanned
+    )
     late, transfer = _late_and_transfer(trace, messages)
     prediction, note = _predict(trace, medians, transfer)
+    if replanned and replanned < max(trace.steps, default=0):
+        note += (
+            f"; the run moved layers to a new partition after step {replanned} (REPLAN): "
+            f"prediction and memory use steps {replanned + 1}.. only"
+        )
     slowdown = _slowdown(trace)
     times = np.array([s.time_ns for s in per_step], dtype=np.float64)
     med_t = float(np.median(times)) if times.size else 0.0
@@ -511,6 +530,8 @@ def summarize(trace: Trace, threshold: float = 0.1, steps: Iterable[int] | None 
     rank_peak = np.zeros(p, dtype=np.int64)
     for r in range(p):
         for step in chosen:
+            if step <= replanned < max(trace.steps):
+                continue
             ev = trace.step_events(r, step)
             marks = ev["bytes"][ev["kind"] == K.STEP]
             if marks.size:

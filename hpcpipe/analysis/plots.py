@@ -33,10 +33,12 @@ COLOURS = {
     K.ALLREDUCE: "#7e57c2",
     K.ALLTOALL: "#c2185b",
     K.CHECKPOINT: "#6d4c41",
+    K.REPLAN: "#d32f2f",
 }
 _COMM_COLOUR = "#707070"
 _COMPUTE = {int(k) for k in COMPUTE_KINDS}
 _COMM = {int(k) for k in COMM_KINDS}
+_IO = [int(K.CHECKPOINT), int(K.REPLAN)]
 
 
 def _chunk_of(trace: Trace) -> dict[int, int]:
@@ -113,6 +115,16 @@ def plot_timeline(
                     va="center",
                     fontsize=7,
                 )
+        io = np.isin(ev["kind"], _IO)  # checkpoints, layers moving to a new partition
+        for k in sorted(set(ev["kind"][io].tolist())):
+            sel = io & (ev["kind"] == k)
+            ax.broken_barh(
+                list(zip(t0[sel], np.maximum(dur[sel], span / scale / 500), strict=True)),
+                (r - 0.4, 0.8),
+                facecolors=COLOURS[K(k)],
+                edgecolor="black",
+                linewidth=0.4,
+            )
         for k in sorted(set(np.asarray(kinds)[comm].tolist())):
             sel = comm & (ev["kind"] == k)
             w = np.maximum(dur[sel], span / scale / 2000)

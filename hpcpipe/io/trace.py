@@ -79,6 +79,7 @@ class EventKind(IntEnum):
     expert gradients), seen complete at the next check between actions. EXPERT: stage =
     global expert id, value = tokens processed.
     STEP: the whole step; bytes = the rank's peak live memory in it, value = the loss (optional).
+    REPLAN: moving layers to a new partition ([replan]); bytes sent, value = predicted gain.
     """
 
     F = 0
@@ -99,6 +100,7 @@ class EventKind(IntEnum):
     EXPERT = 15
     SEND = 16
     RECV = 17
+    REPLAN = 18
 
     def __str__(self) -> str:
         return self.name

@@ -55,18 +55,45 @@ class Stage:
         self.unit_ns: dict[tuple[str, int], int] | None = None
         """Set to a dict to have F, B and W time each unit: nanoseconds by (kind, global
         index), summed until the caller resets it (re-planning weighs layers by them). A unit
-        that pauses at collectives is timed from its start to its end, its exchanges included."""
+        that pauses at collectives is timed while it computes: a wait in an all-to-all measures
+        its peers' lateness, not this rank's speed."""
 
         self.slowdown = 1.0
         """Each unit's F, B and W take this many times as long: an injected `kind=slow` fault
         (`hpcpipe.faults.slowdown`), a stand-in for a throttled or older device."""
 
     def _timed(self, kind: str, i: int, t0: int) -> None:
+        self._charge(kind, i, time.perf_counter_ns() - t0)
+
+    def _charge(self, kind: str, i: int, spent: int) -> None:
+        """`spent` ns of compute in unit `i`: stretched by `slowdown`, added to `unit_ns`."""
         if self.slowdown > 1.0:
-            time.sleep((time.perf_counter_ns() - t0) * (self.slowdown - 1.0) * 1e-9)
+            extra = int(spent * (self.slowdown - 1.0))
+            time.sleep(extra * 1e-9)
+            spent += extra
         if self.unit_ns is not None:
             key = (kind, i)
-            self.unit_ns[key] = self.unit_ns.get(key, 0) + time.perf_counter_ns() - t0
+            self.unit_ns[key] = self.unit_ns.get(key, 0) + spent
+
+    def _computing(self, kind: str, i: int, steps: Steps[Any]) -> Steps[Any]:
+        """A unit's steps, its compute between collectives charged to it (`_charge`), the
+        collectives themselves (run by whoever drives the steps) not."""
+        if self.unit_ns is None and self.slowdown == 1.0:
+            return (yield from steps)
+        spent, value = 0, None
+        try:
+            while True:
+                t0 = time.perf_counter_ns()
+                try:
+                    operation = steps.send(value)
+                except StopIteration as done:
+                    spent += time.perf_counter_ns() - t0
+                    return done.value
+                spent += time.perf_counter_ns() - t0
+                value = yield operation
+        finally:
+            steps.close()
+            self._charge(kind, i, spent)
 
     def __repr__(self) -> str:
         return f"Stage(units {self.indices.start}..{self.indices.stop - 1})"
@@ -100,7 +127,11 @@ class Stage:
                     raise ValueError(f"{self} ends with the loss head: forward needs targets")
                 x, ctx = unit.forward(params[i], x, targets)
             elif hasattr(unit, "forward_steps"):
-                x, ctx = yield from unit.forward_steps(params[i], x, loss_weight=loss_weight)
+                x, ctx = yield from self._computing(
+                    "F", i, unit.forward_steps(params[i], x, loss_weight=loss_weight)
+                )
+                ctxs.append(ctx)
+                continue
             elif getattr(unit, "uses_loss_weight", False):
                 x, ctx = unit.forward(params[i], x, loss_weight=loss_weight)  # type: ignore[call-arg]
             else:
@@ -132,11 +163,13 @@ class Stage:
         wctxs: list[Any] = [None] * len(self.units)
         for k in reversed(range(len(self.units))):
             i, unit = self.indices[k], self.units[k]
-            t0 = time.perf_counter_ns()
             if hasattr(unit, "backward_input_steps"):
-                dy, wctxs[k] = yield from unit.backward_input_steps(params[i], ctx[k], dy)
-            else:
-                dy, wctxs[k] = unit.backward_input(params[i], ctx[k], dy)
+                dy, wctxs[k] = yield from self._computing(
+                    "B", i, unit.backward_input_steps(params[i], ctx[k], dy)
+                )
+                continue
+            t0 = time.perf_counter_ns()
+            dy, wctxs[k] = unit.backward_input(params[i], ctx[k], dy)
             self._timed("B", i, t0)
         return dy, wctxs
 

@@ -9,13 +9,13 @@ from hpcpipe.checks import check_paths, gib, keyed, memory_bytes
 from hpcpipe.config import Config, ConfigError
 from hpcpipe.topology import RankMap
 
-__all__ = ["check", "check_memory"]
+__all__ = ["check", "check_memory", "deck_partition"]
 
 
 def check(config: Config, rankmap: RankMap, files: bool) -> None:
     """The Trainer's checks, in its order: schedule, batch split, MoE, model size, stage
     partition, data."""
-    from hpcpipe.model.models import build_model, partition
+    from hpcpipe.model.models import build_model
     from hpcpipe.schedules.report import runnable_schedule
     from hpcpipe.train.data import build_dataset
 
@@ -45,7 +45,23 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
         units = build_model(config.model, moe)
     except ValueError as exc:
         raise keyed(exc, "model", source) from None
-    n_stages, n_units = schedule.num_stages, len(units)
+    deck_partition(config, units, schedule.stages_of_rank)
+    if files:
+        build_dataset(config.data, config.model, config.run.seed, source=source)
+
+
+def deck_partition(
+    config: Config, units: Any, stages_of_rank: tuple[tuple[int, ...], ...]
+) -> list[range]:
+    """The deck's layer partition: `train.stage_units` as given, else balanced by
+    `train.partition` over the ranks of the placement, each rank weighted by its
+    `replan.speeds` when given (what the first plan, `plan` and the Trainer use)."""
+    from hpcpipe.model.models import partition
+    from hpcpipe.train.replan import initial_scale
+
+    source = config.source
+    n_stages = sum(len(row) for row in stages_of_rank)
+    n_units = len(units)
     stage_units = config.train.stage_units
     if stage_units:
         if len(stage_units) != n_stages or sum(stage_units) != n_units:
@@ -55,6 +71,13 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
                 f"= {list(stage_units)} must list {n_stages} stage sizes "
                 f"summing to the model's {n_units} units",
             )
+        if config.replan.speeds:
+            raise ConfigError(
+                source,
+                "replan.speeds",
+                f"= {list(config.replan.speeds)} has no effect with train.stage_units (an "
+                "explicit partition): drop one of them",
+            )
     elif n_stages > n_units:
         raise ConfigError(
             source,
@@ -63,17 +86,19 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
             f"than the schedule's {n_stages} stages; add layers or lower pp / v",
         )
     try:
-        partition(
+        if stage_units:
+            return partition(units, n_stages, by=list(stage_units))
+        scale = initial_scale(config.replan, len(stages_of_rank), source)
+        return partition(
             units,
             n_stages,
-            by=list(stage_units) if stage_units else config.train.partition,
-            stages_of_rank=None if stage_units else schedule.stages_of_rank,
+            by=config.train.partition,
+            stages_of_rank=stages_of_rank,
+            rank_scale=scale,
         )
     except ValueError as exc:
         key = "train.stage_units" if stage_units else "train.partition"
         raise ConfigError(source, key, f"cannot split the model: {exc}") from None
-    if files:
-        build_dataset(config.data, config.model, config.run.seed, source=source)
 
 
 def _check_blocking(lowered: Any, config: Config) -> None:

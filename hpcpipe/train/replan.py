@@ -13,6 +13,7 @@ shares rank 0's decision and moves the layers (`hpcpipe.mpi.collectives.exchange
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ def action_costs(
     out: dict[tuple[str, int], float] = {}
     for key in {k for entry in window for k in entry}:
         if key[0] in COMPUTE_KINDS and counts[key]:
-            total = float(np.median([entry.get(key, 0.0) for entry in window]))
+            total = _median([entry.get(key, 0.0) for entry in window])
             out[key] = total / counts[key]
     return out
 
@@ -151,7 +152,7 @@ class Proposal:
 
 
 def _median(values: Sequence[float]) -> float:
-    return float(np.median(values))
+    return float(statistics.median(values))  # a few values: ~20x cheaper than np.median
 
 
 def estimate_speeds(
@@ -251,12 +252,13 @@ class Replanner:
             modelled = {key: sec * factor[key[1]] for key, sec in measured.stage_seconds.items()}
             return simulate(schedule, cost_model(modelled, n)).makespan
 
+        before = predict(current)
         return Proposal(
             ranges,
             tuple(current),
             tuple(float(x) for x in slowness),
-            predict(current),
-            predict(ranges),
+            before,
+            predict(ranges) if ranges != tuple(current) else before,
         )
 
     def decide(self, proposal: Proposal) -> bool:

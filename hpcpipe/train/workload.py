@@ -7,6 +7,7 @@ rank's actions, reduce gradients over dp (already started during backward), clip
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from hpcpipe.faults import maybe_fail, slowdown
 from hpcpipe.io.space import ensure_space
 from hpcpipe.io.trace import EventKind, write_trace
 from hpcpipe.jobcontrol import StopSignal, write_status
-from hpcpipe.model.models import boundary_shape, build_model, partition
+from hpcpipe.model.models import boundary_shape, build_model
 from hpcpipe.model.stage import Stage
 from hpcpipe.moe import summarize_stats
 from hpcpipe.mpi.collectives import allreduce, exchange_objects
@@ -29,6 +30,7 @@ from hpcpipe.runtime import RunContext
 from hpcpipe.schedules.ir import Schedule
 from hpcpipe.topology import format_ranks
 from hpcpipe.train.checkpointing import restore, save
+from hpcpipe.train.checks import deck_partition
 from hpcpipe.train.data import build_dataset
 from hpcpipe.train.optim import OptimState, apply_update, clip_scale, init_state, learning_rate
 from hpcpipe.train.pipeline import PipelineRank, StepResult
@@ -37,7 +39,6 @@ from hpcpipe.train.replan import (
     Replanner,
     action_costs,
     cost_model,
-    initial_scale,
     unit_groups,
 )
 
@@ -66,32 +67,6 @@ def _check_batch(ctx: RunContext, m: int) -> int:
             f"= {rows} must be divisible by dp * pipeline.microbatches = {dp} * {m} = {dp * m}",
         )
     return rows // (dp * m)
-
-
-def _stage_ranges(
-    ctx: RunContext, n_units: int, n_stages: int, units, stages_of_rank
-) -> list[range]:
-    train = ctx.config.train
-    if train.stage_units:
-        if len(train.stage_units) != n_stages or sum(train.stage_units) != n_units:
-            raise ConfigError(
-                ctx.config.source,
-                "train.stage_units",
-                f"= {list(train.stage_units)} must list {n_stages} stage sizes "
-                f"summing to the model's {n_units} units",
-            )
-        return partition(units, n_stages, by=list(train.stage_units))
-    if n_stages > n_units:
-        raise ConfigError(
-            ctx.config.source,
-            "model.layers",
-            f"= {ctx.config.model.layers} gives {n_units} pipeline units, fewer "
-            f"than the schedule's {n_stages} stages; add layers or lower pp / v",
-        )
-    scale = initial_scale(ctx.config.replan, len(stages_of_rank), ctx.config.source)
-    return partition(
-        units, n_stages, by=train.partition, stages_of_rank=stages_of_rank, rank_scale=scale
-    )
 
 
 def run(ctx: RunContext) -> None:
@@ -138,9 +113,7 @@ class Trainer:
         self.rows_mb = _check_batch(ctx, m)
         self.group = _expert_group(ctx)
         units = build_model(cfg.model, cfg.moe, self.group)
-        ranges = _stage_ranges(
-            ctx, len(units), self.schedule.num_stages, units, self.schedule.stages_of_rank
-        )
+        ranges = deck_partition(cfg, units, self.schedule.stages_of_rank)
         self.mine = self.schedule.stages_of_rank[self.coords["pp"]]
         self.units, self.ranges = units, list(ranges)
         stages = {s: Stage(units, ranges[s]) for s in self.mine}
@@ -296,10 +269,14 @@ class Trainer:
             rec.record(
                 EventKind.STEP, -1, -1, t_step, rec.now(), result.peak_live_bytes, value=loss
             )
-        if self.replanner is not None and (step + 1) % cfg.replan.check_every == 0:
+        moe_stats = self.runner.moe_stats  # this step's, before a re-plan replaces the runner
+        # a check after the last step would re-plan for nothing (and leave the end-of-run
+        # reports a partition that never ran)
+        due = self.replanner is not None and (step + 1) % cfg.replan.check_every == 0
+        if due and step + 1 < steps:
             self._check_replan(step + 1)
         dt = time.perf_counter() - t0
-        self._queue_figures(step, result, loss, sq_norm, lr, dt)
+        self._queue_figures(step, result, moe_stats, loss, sq_norm, lr, dt)
         if step % cfg.run.log_every == 0 or step == steps - 1:
             self.flush_figures()
         return stopping
@@ -330,7 +307,7 @@ class Trainer:
             keys = {k for _, units in window for k in units}
             mine = (
                 action_costs(self.schedule, self.coords["pp"], [a for a, _ in window]),
-                {k: float(np.median([u.get(k, 0.0) for _, u in window])) for k in keys},
+                {k: statistics.median([u.get(k, 0.0) for _, u in window]) for k in keys},
             )
         parts = world.gather(mine, root=0)
         decision = None
@@ -351,10 +328,12 @@ class Trainer:
                         proposal.predicted_now,
                         proposal.predicted_new,
                     )
+                elif ctx.verbose:  # why it stays, for whoever tunes [replan]
+                    ctx.log(f"replan check after step {done}: kept; {proposal.describe()}")
         decision = world.bcast(decision, root=0)
         if decision is not None:
             bounds, text, gain, before, after = decision
-            self._repartition([range(a, b) for a, b in bounds])
+            self._repartition([range(a, b) for a, b in bounds], gain)
             self.replans.append(
                 {
                     "step": done,
@@ -366,11 +345,13 @@ class Trainer:
             )
             ctx.log(f"replan after step {done}: {text}")
 
-    def _repartition(self, ranges: list[range]) -> None:
+    def _repartition(self, ranges: list[range], gain: float) -> None:
         """Collective over each pipeline: move the units whose stage changes rank, with their
         parameters and optimizer slots, over MPI (no restart, no file system), then rebuild
-        this rank's stages and interpreter. dp replicas move the same units alike."""
+        this rank's stages and interpreter. dp replicas move the same units alike. The
+        trace records the move as a REPLAN event (bytes sent, value = the predicted gain)."""
         ctx, backend = self.ctx, self.ctx.backend
+        t0 = self.rec.now()
         fingerprint = f"{self.lowered.fingerprint()}:{[(r.start, r.stop) for r in ranges]}"
         if len(set(ctx.comms.world.allgather(fingerprint))) != 1:
             raise RuntimeError(
@@ -392,6 +373,7 @@ class Trainer:
             if before[i] == me and dest != me:
                 outgoing.setdefault(dest, {})[i] = _tree_map(backend.to_host, held.pop(i))
         sources = {before[i] for i, dest in after.items() if dest == me and before[i] != me}
+        sent = sum(int(a.nbytes) for part in outgoing.values() for a in _leaves(part))
         self.runner.free()
         for part in exchange_objects(pp_comm, outgoing, sources).values():
             for i, tree in part.items():
@@ -404,6 +386,8 @@ class Trainer:
         self.ranges = list(ranges)
         self.runner = self._build_runner({s: Stage(self.units, ranges[s]) for s in self.mine})
         self._time_units()
+        if self.rec.enabled:
+            self.rec.record(EventKind.REPLAN, -1, -1, t0, self.rec.now(), sent, value=gain)
         # the timing report and the next check see the new partition only
         self.action_log.clear()
         self.pipe_times.clear()
@@ -411,19 +395,26 @@ class Trainer:
         self._warm = False
 
     def _queue_figures(
-        self, step: int, result: StepResult, loss: float, sq_norm: float, lr: float, dt: float
+        self,
+        step: int,
+        result: StepResult,
+        moe_stats: list[Any],
+        loss: float,
+        sq_norm: float,
+        lr: float,
+        dt: float,
     ) -> None:
         """Keep this step's local figures; `flush_figures` reduces many steps at once, so a
         step makes one world-wide reduction (loss, norms, stop flag), not four to seven."""
         moe_local: dict[str, float] = {}
         if self.cfg.moe.enabled:
-            if self.rec.enabled and self.runner.moe_stats:
+            if self.rec.enabled and moe_stats:
                 # tokens this rank routed to each expert this step (zero-length events)
                 t = self.rec.now()
-                kept = np.sum([st.kept for st in self.runner.moe_stats], axis=0)
+                kept = np.sum([st.kept for st in moe_stats], axis=0)
                 for expert, tokens in enumerate(kept.tolist()):
                     self.rec.record(EventKind.EXPERT, expert, -1, t, t, value=float(tokens))
-            moe_local = summarize_stats(self.runner.moe_stats)
+            moe_local = summarize_stats(moe_stats)
         n = 1.0 if moe_local else 0.0
         sums = [result.compute_time, n] + [
             n * moe_local.get(k, 0.0)
@@ -699,7 +690,10 @@ def _report_timing(
     from hpcpipe.schedules import simulate
 
     if not action_log:  # every rank ran the same steps: all return here together
-        ctx.log("timing: no step after the warm-up step was timed (the run stopped after one)")
+        ctx.log(
+            "timing: no step after the warm-up step was timed (the run stopped after one, or "
+            "re-planned its layers one step before its end)"
+        )
         return None
     mine = action_costs(schedule, ctx.rankmap.coords(ctx.rank)["pp"], action_log)
     parts = ctx.comms.group("pp").gather(mine, root=0)
@@ -858,3 +852,11 @@ def _tree_map(fn: Any, tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(_tree_map(fn, v) for v in tree)
     return fn(tree)
+
+
+def _leaves(tree: Any) -> Any:
+    if isinstance(tree, dict | tuple):
+        for v in tree.values() if isinstance(tree, dict) else tree:
+            yield from _leaves(v)
+    else:
+        yield tree

@@ -1,0 +1,241 @@
+"""Figure: re-planning around a slow rank, against not re-planning and the best fixed partition.
+
+    python benchmarks/replan.py               # 2 ranks (pp = 2), the real GPT model, 3 repeats
+
+One pipeline rank is made 2x slower from step 5 (HPCPIPE_INJECT_FAULT kind=slow: every unit's
+compute stretched). Cases, each run `--repeats` times in interleaved order, step times the
+median over the steps that follow the run's last switch (or, without one, its warm-up):
+
+- balanced: no slowdown, [replan] off (the reference step);
+- quiet: no slowdown, [replan] on: what checking costs, and whether noise makes it switch;
+- slow: the slowdown, [replan] off;
+- replan: the slowdown, [replan] on;
+- best fixed: the slowdown from step 1, every contiguous partition given as train.stage_units;
+  the fastest one measured is the best plan computed offline with the true costs;
+- ends: the slowdown from step 5 to step 30, [replan] on: checks until the deck's partition is
+  back.
+
+pp = 2 because this machine has 2 cores: more ranks would share cores, and their step times
+would measure the sharing. Writes replan.json and replan_before.png / replan_after.png (the
+timeline of the replan case's last slow step before its switch, and of its last step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+from _common import RESULTS, machine_facts, run_hpcpipe
+
+from hpcpipe.bench.table import Column, Report
+
+FIGURE = "replan"
+
+
+def _run(ranks: int, deck: str, out: Path, sets: list[str], fault: str) -> dict[str, Any]:
+    import os
+
+    overrides = [x for s in [f"run.output={out}", *sets] for x in ("--set", s)]
+    args = ["run", deck, "--overwrite", *overrides]
+    env_before = os.environ.get("HPCPIPE_INJECT_FAULT")
+    os.environ["HPCPIPE_INJECT_FAULT"] = fault
+    try:
+        run_hpcpipe(ranks, args)
+    finally:
+        if env_before is None:
+            os.environ.pop("HPCPIPE_INJECT_FAULT", None)
+        else:
+            os.environ["HPCPIPE_INJECT_FAULT"] = env_before
+    with h5py.File(out / "metrics.h5") as f:
+        times = f["step_time"][()]
+        switches = f["replan/step"][()].tolist() if "replan" in f else []
+        units = f["replan/stage_units"][()].tolist() if "replan" in f else []
+    return {"times": times, "switches": switches, "units": units}
+
+
+def _steady(times: np.ndarray, after: int) -> float:
+    """Median step time after step `after` (steps count from 1)."""
+    return float(np.median(times[after:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deck", default="inputs/gpt_pp4.toml")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--factor", type=float, default=2.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--check-every", type=int, default=5)
+    args = ap.parse_args()
+    ranks = args.ranks
+    common = [
+        f"topology.pp={ranks}",
+        "topology.dp=1",
+        "pipeline.schedule=1f1b",
+        f"run.steps={args.steps}",
+        "run.log_every=1000",
+        "train.verify=false",
+    ]
+    on = ["replan.enabled=true", f"replan.check_every={args.check_every}"]
+    slow = f"rank={ranks - 1},at=step:5,kind=slow,factor={args.factor}"
+    from hpcpipe.config import load_config
+    from hpcpipe.model.models import build_model
+
+    cfg = load_config(Path(args.deck), [f"topology.pp={ranks}"])
+    n_units = len(build_model(cfg.model, cfg.moe))
+    partitions = [[k, n_units - k] for k in range(1, n_units)] if ranks == 2 else []
+    deck = _deck_units(args.deck, ranks)
+    cases: dict[str, list[float]] = {}
+    quiet_switches: list[int] = []
+    back_checks: list[int] = []
+    replan_units: list[list[int]] = []
+    best: dict[str, list[float]] = {}
+    first_switch: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for rep in range(args.repeats):
+            print(f"# repetition {rep + 1}/{args.repeats}", flush=True)
+            r = _run(ranks, args.deck, out / "a", common, "")
+            cases.setdefault("balanced", []).append(_steady(r["times"], 10))
+            r = _run(ranks, args.deck, out / "b", [*common, *on], "")
+            cases.setdefault("quiet", []).append(_steady(r["times"], 10))
+            quiet_switches.append(len(r["switches"]))
+            r = _run(ranks, args.deck, out / "c", common, slow)
+            cases.setdefault("slow", []).append(_steady(r["times"], 10))
+            trace = ["trace.enabled=true"] if rep == 0 else []
+            r = _run(ranks, args.deck, out / "d", [*common, *on, *trace], slow)
+            last = max(r["switches"], default=10)
+            cases.setdefault("replan", []).append(_steady(r["times"], last + 1))
+            replan_units.append(r["units"][-1] if r["units"] else [])
+            first_switch.append(r["switches"][0] if r["switches"] else -1)
+            if rep == 0:
+                _pictures(out / "d" / "trace.h5", r["switches"])
+            for part in partitions:
+                sets = [*common, f"train.stage_units={part}"]
+                fault = f"rank={ranks - 1},at=step:1,kind=slow,factor={args.factor}"
+                r = _run(ranks, args.deck, out / "e", sets, fault)
+                best.setdefault(str(part), []).append(_steady(r["times"], 10))
+            r = _run(ranks, args.deck, out / "f", [*common, *on], f"{slow},until=30")
+            returned = [
+                s for s, u in zip(r["switches"], r["units"], strict=True) if s >= 30 and u == deck
+            ]
+            # checks from the first one after the slowdown ended to the switch back
+            first = -(-30 // args.check_every) * args.check_every
+            back_checks.append((returned[0] - first) // args.check_every + 1 if returned else -1)
+    med = {k: statistics.median(v) for k, v in cases.items()}
+    best_med = {k: statistics.median(v) for k, v in best.items()}
+    best_part = min(best_med, key=best_med.get) if best_med else None
+    t_best = best_med[best_part] if best_part else float("nan")
+    report = Report(
+        FIGURE,
+        [
+            f"re-planning around a slow rank: {ranks} ranks (pp = {ranks}), {args.deck}, 1f1b, "
+            f"{args.steps} steps, rank {ranks - 1} {args.factor:g}x slower from step 5",
+            f"step time = median after the run's last switch (else after step 10), median of "
+            f"{args.repeats} interleaved repetitions; replan.check_every = {args.check_every}",
+        ],
+        [
+            Column("case", "case", "", 46, "<"),
+            Column("step_ms", "step ms", ".2f", 8),
+            Column("vs_balanced", "vs balanced", ".3f", 11),
+            Column("stage_units", "stage_units", "", 14, "<"),
+        ],
+        params=vars(args),
+    )
+    vs_best = med["replan"] / t_best
+    faster = 1 - med["replan"] / med["slow"]
+    overhead = med["quiet"] / med["balanced"] - 1
+    cases_shown = [
+        ("balanced: no slowdown, replan off", med["balanced"], str(deck)),
+        ("quiet: no slowdown, replan on", med["quiet"], str(deck)),
+        ("slow rank, replan off", med["slow"], str(deck)),
+        ("slow rank, replan on (after its switch)", med["replan"], str(replan_units[-1])),
+        ("slow rank, best fixed partition", t_best, str(best_part)),
+    ]
+    for name, t, units in cases_shown:
+        report.add(
+            {
+                "case": name,
+                "step_ms": t * 1e3,
+                "vs_balanced": t / med["balanced"],
+                "stage_units": units,
+            }
+        )
+    measured = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in best_med.items())
+    report.note(f"every fixed partition with the slowdown (ms): {measured}")
+    report.note(
+        f"replan runs ended on {replan_units}, first switch after step(s) {first_switch}; "
+        f"quiet runs switched {quiet_switches} time(s)"
+    )
+    report.target(
+        "replan vs the best fixed partition", "<= 1.10", f"{vs_best:.3f}", vs_best <= 1.10
+    )
+    report.target("replan faster than not re-planning", ">= 30%", f"{faster:.1%}", faster >= 0.30)
+    report.target(
+        "cost of checking (quiet / balanced - 1)", "<= 1%", f"{overhead:+.2%}", overhead <= 0.01
+    )
+    report.target(
+        "switches without a slowdown", "0", str(sum(quiet_switches)), sum(quiet_switches) == 0
+    )
+    report.target(
+        "checks until balanced after the slowdown ends",
+        "<= cooldown + 1 = 2",
+        str(back_checks),
+        all(0 < b <= 2 for b in back_checks),
+    )
+    report.summary |= {
+        "step_s": med,
+        "step_s_runs": cases,
+        "best_fixed_s": best_med,
+        "replan_vs_best": vs_best,
+        "replan_faster_than_slow": faster,
+        "check_overhead": overhead,
+        "checks_until_back": back_checks,
+    }
+    print(report.render())
+    out = report.write(
+        RESULTS / f"{FIGURE}.json",
+        command="python benchmarks/replan.py" + "".join(f" {a}" for a in sys.argv[1:]),
+        machine=machine_facts(),
+    )
+    print(f"# wrote {out.relative_to(RESULTS.parent.parent)}")
+
+
+def _deck_units(deck: str, ranks: int) -> list[int]:
+    from hpcpipe.config import load_config
+    from hpcpipe.model.models import build_model
+    from hpcpipe.schedules.report import runnable_schedule
+    from hpcpipe.train.checks import deck_partition
+
+    cfg = load_config(Path(deck), [f"topology.pp={ranks}", "pipeline.schedule=1f1b"])
+    schedule, _ = runnable_schedule(cfg.pipeline, ranks, cfg.source)
+    ranges = deck_partition(cfg, build_model(cfg.model, cfg.moe), schedule.stages_of_rank)
+    return [len(r) for r in ranges]
+
+
+def _pictures(trace_path: Path, switches: list[int]) -> None:
+    from hpcpipe.analysis.plots import plot_timeline
+    from hpcpipe.io.trace import read_trace
+
+    trace = read_trace(trace_path)
+    before = switches[0] if switches else trace.steps[-1]
+    plot_timeline(
+        trace,
+        RESULTS / "replan_before.png",
+        step=before,
+        title=f"slow rank, before re-planning: step {before} (ends with the REPLAN move)",
+    )
+    plot_timeline(
+        trace, RESULTS / "replan_after.png", step=trace.steps[-1], title="after re-planning"
+    )
+    print("# wrote benchmarks/results/replan_before.png, replan_after.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Re-planning's pure parts: rank speeds from unit times, the re-balanced partition and its
+predicted gain, the switching rule, the slow-rank fault and the [replan] deck checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpcpipe.config import ConfigError, load_config
+from hpcpipe.faults import slowdown
+from hpcpipe.model.models import balance, balance_placement
+from hpcpipe.schedules import build_schedule
+from hpcpipe.train.replan import (
+    Measured,
+    Proposal,
+    ReplanConfig,
+    Replanner,
+    action_costs,
+    estimate_speeds,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "inputs" / "train_tiny.toml"
+
+EMBED, BLOCK, HEAD = ("Embedding", 10), ("Block", 100), ("LossHead", 20)
+GROUPS = [EMBED, *[BLOCK] * 6, HEAD]  # train_tiny's 8 units
+SECONDS = {EMBED: 1.0, BLOCK: 4.0, HEAD: 3.0}  # per step on a rank of speed 1
+
+
+def _measured(schedule, ranges, slowness):
+    """What the interpreter would time: each unit's F, B and W a third of its cost times its
+    rank's slowness, each action its units' share plus 0.1 s outside them (messages)."""
+    from collections import Counter
+
+    owner = {s: r for r, row in enumerate(schedule.stages_of_rank) for s in row}
+    counts = Counter((a.kind.name, a.stage) for row in schedule.actions for a in row)
+    parts = {"F": ("F",), "B": ("B",), "W": ("W",), "BW": ("B", "W")}
+    units, stages = {}, {}
+    for s, rg in enumerate(ranges):
+        for i in rg:
+            for kind in ("F", "B", "W"):
+                units[(kind, i)] = SECONDS[GROUPS[i]] * slowness[owner[s]] / 3
+    for (kind, s), n in counts.items():
+        if kind in parts:
+            inside = sum(units[(k, i)] for k in parts[kind] for i in ranges[s])
+            stages[(kind, s)] = inside / n + 0.1
+    return Measured(stages, units)
+
+
+def test_balance_gives_a_slow_rank_less_work():
+    assert [len(r) for r in balance([1.0] * 8, 2)] == [4, 4]
+    # [6, 2] and [5, 3] both have a heaviest stage of 6: the flatter one wins
+    assert [len(r) for r in balance([1.0] * 8, 2, scale=[1.0, 2.0])] == [6, 2]
+    assert [len(r) for r in balance([1.0] * 8, 2, scale=[3.0, 1.0])] == [2, 6]
+    with pytest.raises(ValueError, match="scale must give 2"):
+        balance([1.0] * 8, 2, scale=[1.0])
+    # a V placement: rank 0 holds stages 0 and 3; slowing it moves work to rank 1
+    even = balance_placement([1.0] * 8, 4, [(0, 3), (1, 2)])
+    slow = balance_placement([1.0] * 8, 4, [(0, 3), (1, 2)], rank_scale=[2.0, 1.0])
+    assert [len(r) for r in even] == [2, 2, 2, 2]
+    load0 = len(slow[0]) + len(slow[3])
+    assert load0 < 4 and sum(len(r) for r in slow) == 8
+
+
+def test_speeds_from_units_of_one_type_on_several_ranks():
+    rank = {i: 0 if i < 4 else 1 for i in range(8)}
+    seconds = {i: SECONDS[GROUPS[i]] * (2.0 if rank[i] == 1 else 1.0) for i in range(8)}
+    assert estimate_speeds(seconds, rank, GROUPS, 2, {}).tolist() == [1.0, 2.0]
+    # a rank holding no block: timed against learnt costs, else taken as nominal
+    rank = {i: 0 if i in (0, 7) else 1 for i in range(8)}
+    seconds = {i: SECONDS[GROUPS[i]] * (3.0 if rank[i] == 0 else 1.0) for i in range(8)}
+    assert estimate_speeds(seconds, rank, GROUPS, 2, {}).tolist() == [1.0, 1.0]
+    learnt = {g: SECONDS[g] for g in (EMBED, HEAD)}
+    assert estimate_speeds(seconds, rank, GROUPS, 2, learnt).tolist() == pytest.approx([3.0, 1.0])
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_a_slow_rank_gives_layers_away_and_the_gain_is_predicted(slow_rank):
+    schedule = build_schedule("1f1b", 2, 4)
+    current = (range(0, 4), range(4, 8))
+    slowness = [2.0 if r == slow_rank else 1.0 for r in (0, 1)]
+    planner = Replanner(ReplanConfig(enabled=True), schedule, GROUPS)
+    proposal = planner.propose(current, _measured(schedule, current, slowness))
+    assert proposal.slowness == pytest.approx(tuple(slowness))
+    sizes = [len(r) for r in proposal.ranges]
+    assert sizes[slow_rank] < 4 and sum(sizes) == 8
+    assert proposal.predicted_new < proposal.predicted_now
+    assert 0.1 < proposal.gain < 0.5
+    assert planner.nominal[BLOCK] == pytest.approx(SECONDS[BLOCK])
+    # the same prediction as the simulator fed with what the new partition then measures
+    again = Replanner(ReplanConfig(enabled=True), schedule, GROUPS)
+    after = again.propose(proposal.ranges, _measured(schedule, proposal.ranges, slowness))
+    assert after.predicted_now == pytest.approx(proposal.predicted_new, rel=1e-9)
+    assert not after.changes
+
+
+def test_equal_ranks_keep_their_partition():
+    schedule = build_schedule("zb-v", 2, 4)
+    current = (range(0, 3), range(3, 4), range(4, 6), range(6, 8))
+    planner = Replanner(ReplanConfig(enabled=True), schedule, GROUPS)
+    proposal = planner.propose(current, _measured(schedule, current, [1.0, 1.0]))
+    assert proposal.slowness == (1.0, 1.0)
+    assert proposal.gain < 0.05
+    assert not planner.decide(proposal)
+
+
+def _proposal(gain: float, changes: bool = True) -> Proposal:
+    current = (range(0, 4), range(4, 8))
+    ranges = (range(0, 5), range(5, 8)) if changes else current
+    return Proposal(ranges, current, (1.0, 2.0), 1.0, 1.0 - gain)
+
+
+def test_the_switching_rule_has_a_threshold_and_a_cooldown():
+    planner = Replanner(ReplanConfig(min_gain=0.1, cooldown=2), build_schedule("1f1b", 2, 4), [])
+    assert not planner.decide(_proposal(0.05))  # below min_gain: noise
+    assert not planner.decide(_proposal(0.5, changes=False))  # nothing to change
+    assert planner.decide(_proposal(0.3))
+    assert not planner.decide(_proposal(0.3))  # cooldown: first check after the switch
+    assert not planner.decide(_proposal(0.3))  # ... and the second
+    assert planner.decide(_proposal(0.3))
+
+
+def test_action_costs_are_per_action_medians():
+    schedule = build_schedule("1f1b", 2, 4)
+    window = [{("F", 0): 4.0, ("BW", 0): 8.0}, {("F", 0): 8.0, ("BW", 0): 8.0}, {("F", 0): 6.0}]
+    costs = action_costs(schedule, 0, window)
+    assert costs == {("F", 0): 1.5, ("BW", 0): 2.0}  # over 4 microbatches; a missing step is 0
+
+
+def test_slow_fault_stretches_a_rank_from_a_step(monkeypatch):
+    import hpcpipe.faults as faults
+
+    monkeypatch.setattr(faults, "_SPEC", None)
+    monkeypatch.setenv("HPCPIPE_INJECT_FAULT", "rank=1,at=step:5,kind=slow,factor=3,until=9")
+    assert [slowdown(step, 1) for step in (4, 5, 8, 9)] == [1.0, 3.0, 3.0, 1.0]
+    assert slowdown(5, 0) == 1.0
+    faults.maybe_fail("step:5", 1)  # a slow rank is not a failing one
+    monkeypatch.setattr(faults, "_SPEC", None)
+    monkeypatch.setenv("HPCPIPE_INJECT_FAULT", "rank=1,at=backward:5,kind=slow")
+    with pytest.raises(ValueError, match="kind = slow needs at = step:N"):
+        slowdown(5, 1)
+    monkeypatch.setattr(faults, "_SPEC", None)
+    monkeypatch.setenv("HPCPIPE_INJECT_FAULT", "rank=1,at=step:1,kind=slow,factor=0.5")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        slowdown(5, 1)
+
+
+def _check(overrides: list[str]) -> None:
+    from hpcpipe.topology import RankMap
+    from hpcpipe.train.checks import check
+
+    config = load_config(TINY, ["topology.pp=2", "topology.dp=1", *overrides])
+    check(config, RankMap.build(2, 2, pp=2, dp=1), files=False)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "says"),
+    [
+        ("replan.speeds=[1, 1, 1]", "replan.speeds", "one speed per pipeline rank (2)"),
+        ("replan.speeds=[1, 0]", "replan.speeds", ">= 0.001"),
+        ("replan.check_every=1", "replan.check_every", ">= 2"),
+        ("replan.min_gain=2", "replan.min_gain", "<= 0.9"),
+        ("replan.enabled=3", "replan.enabled", "true or false"),
+        ("replan.often=1", "replan.often", "not a known key"),
+    ],
+)
+def test_bad_replan_keys_name_the_key(override, key, says):
+    with pytest.raises(ConfigError) as info:
+        _check([override])
+    text = str(info.value)
+    assert key in text and says in text, text
+
+
+def test_speeds_conflict_with_an_explicit_partition():
+    with pytest.raises(ConfigError, match="replan.speeds .* no effect with train.stage_units"):
+        _check(["replan.speeds=[1, 0.5]", "train.stage_units=[4, 4]"])
+
+
+def test_speeds_known_in_advance_shape_the_first_partition(cli):
+    r = cli(["plan", str(TINY), "--world", "2", "--set", "topology.pp=2"])
+    assert r.returncode == 0, r.output
+    assert "layer partition balanced by flops: stage_units [4, 4]" in r.stdout
+    r = cli(["plan", str(TINY), "--world", "2", "--set", "topology.pp=2", "--set",
+             "replan.speeds=[1, 0.5]"])  # fmt: skip
+    assert r.returncode == 0, r.output
+    assert "for rank speeds [1.0, 0.5] (replan.speeds): stage_units [5, 3]" in r.stdout
