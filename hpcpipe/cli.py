@@ -270,7 +270,7 @@ def _execute_plan(args: argparse.Namespace) -> int:
                 source=config.source,
             )
         )
-        if config.run.workload == "train":
+        if config.run.workload == "train" and not (args.compare or pareto or args.csv):
             print()
             print(_partition_text(config, rankmap.pp))
     return 0
@@ -284,7 +284,10 @@ def _partition_text(config: Config, pp: int) -> str:
 
     schedule, _ = runnable_schedule(config.pipeline, pp, config.source)
     units = build_model(config.model, config.moe)
-    ranges = deck_partition(config, units, schedule.stages_of_rank)
+    try:
+        ranges = deck_partition(config, units, schedule.stages_of_rank)
+    except ConfigError as exc:  # the schedule is still worth seeing; the run would refuse
+        return f"layer partition: none fits ({exc}); a run of this deck exits 2"
     train, speeds = config.train, config.replan.speeds
     how = (
         "as train.stage_units gives it"
