@@ -49,7 +49,7 @@ def test_1f1b_moves_layers_off_the_slow_rank(mpirun, tmp_path, slow):
     fault = f"rank={slow},at=step:2,kind=slow,factor=4"
     r, switches = _run(mpirun, tmp_path, 2, TINY, fault, "topology.pp=2")
     assert switches, r.stdout
-    step, before, after = switches[0]
+    _, before, after = switches[0]
     assert before == [4, 4] and after[slow] < 4, switches
     with h5py.File(tmp_path / "metrics.h5") as f:
         assert f["replan/step"][()].tolist() == [s for s, _, _ in switches]

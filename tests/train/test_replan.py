@@ -173,7 +173,7 @@ def test_bad_replan_keys_name_the_key(override, key, says):
 
 
 def test_speeds_conflict_with_an_explicit_partition():
-    with pytest.raises(ConfigError, match="replan.speeds .* no effect with train.stage_units"):
+    with pytest.raises(ConfigError, match=r"replan\.speeds .* no effect with train\.stage_units"):
         _check(["replan.speeds=[1, 0.5]", "train.stage_units=[4, 4]"])
 
 
