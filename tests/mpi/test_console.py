@@ -48,8 +48,16 @@ def test_lines_of_two_ranks_never_interleave_unbuffered():
         f"for i in range({n}):\n"
         f"    say(f'[rank {{r}}] ' + {LINE!r}.format(i=i))\n"
     )
+    launcher = mpiexec_command()
+    if "--oversubscribe" in launcher:  # what mpiexec_command adds for Open MPI only
+        pytest.skip(
+            "Open MPI forwards each rank's output in read-sized chunks and splits lines "
+            "whatever the program writes (--tag-output too, seen with 4.1); its users keep "
+            "rank output apart with --output-filename. MPICH's Hydra and srun forward writes "
+            "whole, which this checks"
+        )
     proc = subprocess.run(
-        [*mpiexec_command(), "-n", "2", sys.executable, "-c", code],
+        [*launcher, "-n", "2", sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=120,
