@@ -102,3 +102,33 @@ def test_a_slowdown_that_ends_brings_the_partition_back(mpirun, tmp_path):
     # speeds differ by the load they happen to get, which re-planning rightly follows
     back = [after for step, _, after in switches if step > 10]
     assert back and back[-1][1] > switches[0][2][1], switches
+
+
+def test_known_speeds_shape_the_first_partition_of_a_run(mpirun, tmp_path):
+    """replan.speeds reaches the Trainer (not only `plan`): the slower rank starts with fewer
+    layers, no re-planning needed, and the run equals the reference."""
+    args = ["run", TINY, "--overwrite"]
+    for s in (
+        f"run.output='{tmp_path}'",
+        "run.steps=3",
+        "topology.pp=2",
+        "train.verify=true",
+        "replan.speeds=[1, 0.5]",
+    ):
+        args += ["--set", s]
+    r = mpirun(2, args, timeout=120)
+    assert r.returncode == 0, r.output
+    assert "stage_units=[5, 3]" in r.stdout and "verify OK" in r.stdout, r.stdout
+
+
+def test_bad_replan_key_ends_the_launched_job_with_exit_2(mpirun, tmp_path):
+    r = mpirun(
+        2,
+        ["run", TINY, "--overwrite", "--set", f"run.output='{tmp_path}'", "--set",
+         "topology.pp=2", "--set", "replan.speeds=[1, 1, 1]"],
+        timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.output
+    assert "replan.speeds = [1.0, 1.0, 1.0] must give one speed per pipeline rank (2)" in (
+        r.stderr
+    ), r.output
