@@ -353,7 +353,7 @@ def _sweep_plan(config: Config, world: int, png: str | None) -> str:
     except PlanError as exc:
         raise ConfigError(config.source, "sweep", str(exc)) from None
     line = describe_blocking(blocking)
-    text = plan_text(plan, sim, octant_order=cfg.octant_order, blocking=line)
+    text = plan_text(plan, sim, blocking=line)
     if png:
         text += f"\nplan picture written to {plot_plan(sim, png)}"
     return text

@@ -54,7 +54,7 @@ from hpcpipe.sweep.config import SweepConfig
 from hpcpipe.sweep.kernel import resolve_kernel
 from hpcpipe.sweep.mesh import build_problem
 from hpcpipe.sweep.parallel import KBASweeper
-from hpcpipe.sweep.plan import CORNER_ORDERS, PlanError, blocking_for, plan_for
+from hpcpipe.sweep.plan import PlanError, blocking_for, plan_for
 from hpcpipe.sweep.problems import kripke_config
 from hpcpipe.sweep.solver import Iterate, LocalCells, solve
 
@@ -249,9 +249,8 @@ def _model_eff(case: _Case, one: _Case, cost: SweepCost, ranks: int) -> float:
     """Predicted efficiency: the 1-rank time outside the sweep split over the ranks, plus the
     modelled sweep of this case's plan."""
     p = case.plan
-    order = "yx" if p.octants == CORNER_ORDERS["yx"] else "xy"
     sweep = predict_makespan(
-        p.px, p.py, p.local_shape, p.directions, GROUPS, p.z_block, p.angle_block, cost, order
+        p.px, p.py, p.local_shape, p.directions, GROUPS, p.z_block, p.angle_block, cost, p.order
     )
     outside = median([r["iter_s"] - r["sweep_s"] for r in one.runs])
     t_one = median([r["iter_s"] for r in one.runs])

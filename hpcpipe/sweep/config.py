@@ -83,9 +83,11 @@ class SweepConfig:
     )
     octant_order: str = option(
         "auto",
-        "corner order: yx flips y first (8M+2(Px-1)+3(Py-1) stages), xy flips x "
-        "first, auto picks the shorter",
-        choices=("auto", "yx", "xy"),
+        "octant order: nearest (= auto) starts each rank at its nearest corners, so the "
+        "corners' sweeps run at once (8M+2(ceil(Px/2)-1)+2(ceil(Py/2)-1) stages); yx / xy run "
+        "one corner at a time on every rank, y or x flipping first (8M+2(Px-1)+3(Py-1) / "
+        "8M+3(Px-1)+2(Py-1))",
+        choices=("auto", "nearest", "yx", "xy"),
     )
     tolerance: float = option(1e-8, "stop when max|dphi| / max|phi| falls below this", minimum=0.0)
     max_iterations: int = option(200, "source iterations before giving up with an error", minimum=1)

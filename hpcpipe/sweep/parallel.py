@@ -156,13 +156,18 @@ class KBASweeper:
         side = 0 if (task.octant >> axis) & 1 == 0 else 1  # +direction enters at the low face
         value = self.problem.incident[2 * axis + side]
         shape = self._face_shape(axis, task)
+        host = self.xp is np
         if not value.any():
-            return self.xp.zeros(shape), False
+            return (self.channel.take(shape, zero=True) if host else self.xp.zeros(shape)), False
         key = (axis, side, task.angle_block)
         face = self._incident.get(key)
         if face is None:  # copied to the device once; each task gets its own copy (it is updated)
             face = self._incident[key] = self.xp.asarray(np.broadcast_to(value, shape).copy())
-        return face.copy(), True
+        if not host:
+            return face.copy(), True
+        out = self.channel.take(shape)
+        np.copyto(out, face)
+        return out, True
 
     def _post(self, task: SweepTask) -> list[PostedFace | None]:
         posted: list[PostedFace | None] = []
@@ -244,6 +249,7 @@ class KBASweeper:
             for axis, peer in ((0, task.send_x), (1, task.send_y)):
                 if peer < 0:
                     outflow += self._areas[axis] * face_current(faces[axis], currents[axis])
+                    self.channel.give_back(faces[axis])
                 else:
                     s0 = now()
                     nbytes = self.channel.send(faces[axis], peer, task.tag + axis)
@@ -253,6 +259,7 @@ class KBASweeper:
                         )
             if task.z_block == plan.z_blocks - 1:
                 outflow += self._areas[2] * face_current(fz, angles.wxi)
+                self.channel.give_back(fz)
         t0 = now()
         self._task = len(tasks)
         self.channel.drain()

@@ -9,7 +9,16 @@ through pipeline stages. Pure Python: a plan for thousands of ranks builds and s
 Stage counts (unit tasks, free messages), with M = angle blocks x z-blocks per octant:
 one octant takes M + (Px - 1) + (Py - 1) stages; all eight, swept as four corner pairs
 (both z directions of a corner back to back), take 8M + 2(Px - 1) + 3(Py - 1) stages with the
-`yx` corner order (+x+y, +x-y, -x-y, -x+y: y flips first) and 8M + 3(Px - 1) + 2(Py - 1) with `xy`.
+`yx` corner order (+x+y, +x-y, -x-y, -x+y: y flips first) and 8M + 3(Px - 1) + 2(Py - 1) with `xy`,
+when every rank runs the same sequence.
+
+The `nearest` order (the default) lets each rank start with the corners it is closest to: its
+tasks are sorted by the rank's grid distance from the corner an octant enters at, then by the
+`yx`/`xy` sequence. The four corners' sweeps then start at once, each from its own corner, and
+meet in the middle: a whole sweep takes 8M + 2(ceil(Px/2) - 1) + 2(ceil(Py/2) - 1) stages (no
+fill at all on 2 x 1 or 2 x 2 ranks; 8M + 12 instead of 8M + 35 on 8 x 8). It cannot deadlock:
+a rank's sequence and every face it waits for both go up in (distance, octant rank in the
+sequence, angle block, z-block), and a face comes from a rank one step closer to the corner.
 """
 
 from __future__ import annotations
@@ -19,11 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.sweep.blocking import KERNEL_COSTS, Blocking, choose_blocking
+from hpcpipe.sweep.blocking import KERNEL_COSTS, Blocking, choose_blocking, hops
 from hpcpipe.sweep.quadrature import OCTANTS
 
 __all__ = [
     "CORNER_ORDERS",
+    "OCTANT_ORDERS",
     "PlanError",
     "Simulation",
     "SweepPlan",
@@ -31,10 +41,16 @@ __all__ = [
     "blocking_for",
     "build_plan",
     "closed_form_stages",
+    "corner_distance",
     "plan_for",
+    "resolve_order",
     "simulate",
     "validate",
 ]
+
+OCTANT_ORDERS = ("nearest", "yx", "xy")
+"""What `octant_order` may name (plus `auto` = nearest); `custom` marks a plan built from an
+explicit octant list."""
 
 CORNER_ORDERS: dict[str, tuple[int, ...]] = {
     # octant o has signs OCTANTS[o]; bit 0 = -x, bit 1 = -y, bit 2 = -z
@@ -79,7 +95,10 @@ class SweepPlan:
     directions: int
     angle_block: int
     octants: tuple[int, ...]
+    """The corner sequence every rank follows (`nearest`: among corners at equal distance)."""
     tasks: tuple[tuple[SweepTask, ...], ...]
+    order: str = "yx"
+    """How the task lists were ordered: one of OCTANT_ORDERS, or custom."""
 
     @property
     def ranks(self) -> int:
@@ -130,20 +149,33 @@ class SweepPlan:
             f"  z-blocks {self.z_blocks} of {self.z_block} cells, angle blocks "
             f"{self.angle_blocks} of {self.angle_block} directions, M = {self.tasks_per_octant}"
             f" tasks per octant, {len(self.tasks[0])} per sweep",
-            f"  octant order {order}",
+            f"  octant order {self.order}: {order}"
+            + (", each rank starting from its nearest corners" if self.order == "nearest" else ""),
         ]
         return "\n".join(lines)
 
 
-def _corner_order(octant_order: str, px: int, py: int) -> tuple[int, ...]:
-    if octant_order == "auto":
-        octant_order = "yx" if py <= px else "xy"
-    try:
-        return CORNER_ORDERS[octant_order]
-    except KeyError:
+def resolve_order(octant_order: str) -> str:
+    """The order `octant_order` names (auto = nearest); raises PlanError for an unknown one."""
+    name = "nearest" if octant_order == "auto" else octant_order
+    if name not in OCTANT_ORDERS:
         raise PlanError(
-            f"octant_order: unknown {octant_order!r}; known: auto, " + ", ".join(CORNER_ORDERS)
-        ) from None
+            f"octant_order: unknown {octant_order!r}; known: auto, " + ", ".join(OCTANT_ORDERS)
+        )
+    return name
+
+
+def _corner_sequence(order: str, px: int, py: int) -> tuple[int, ...]:
+    """The corner sequence of an order; `nearest` breaks its ties with the shorter of yx / xy."""
+    if order == "nearest":
+        order = "yx" if py <= px else "xy"
+    return CORNER_ORDERS[order]
+
+
+def corner_distance(ix: int, iy: int, px: int, py: int, octant: int) -> int:
+    """Grid steps from rank (ix, iy) to the rank where `octant`'s sweep enters the domain."""
+    sx, sy, _ = OCTANTS[octant]
+    return (ix if sx > 0 else px - 1 - ix) + (iy if sy > 0 else py - 1 - iy)
 
 
 def build_plan(
@@ -173,7 +205,9 @@ def build_plan(
         raise PlanError(
             f"angle_block = {angle_block} does not divide the {directions} directions per octant"
         )
-    order = octants if octants is not None else _corner_order(octant_order, px, py)
+    name = "custom" if octants is not None else resolve_order(octant_order)
+    order = octants if octants is not None else _corner_sequence(name, px, py)
+    rank_in_sequence = {o: i for i, o in enumerate(order)}
     keys = [
         (o, a, z)
         for o in order
@@ -197,23 +231,31 @@ def build_plan(
                     recv_y=ix + px * up_y if 0 <= up_y < py else -1,
                     send_x=down_x + px * iy if 0 <= down_x < px else -1,
                     send_y=ix + px * down_y if 0 <= down_y < py else -1,
-                    tag=2 * t,
+                    tag=2 * t,  # by the shared sequence: the same task has one tag everywhere
+                )
+            )
+        if name == "nearest":  # stable: each (octant, angle block) keeps its z-blocks in order
+            tasks.sort(
+                key=lambda t, ix=ix, iy=iy: (
+                    corner_distance(ix, iy, px, py, t.octant),
+                    rank_in_sequence[t.octant],
                 )
             )
         per_rank.append(tuple(tasks))
-    return SweepPlan(px, py, shape, z_block, directions, angle_block, tuple(order), tuple(per_rank))
+    return SweepPlan(
+        px, py, shape, z_block, directions, angle_block, tuple(order), tuple(per_rank), name
+    )
 
 
 def closed_form_stages(px: int, py: int, tasks_per_octant: int, octants: str = "yx") -> int:
-    """Stage count the KBA model predicts: 'one' octant, or all eight in 'yx' / 'xy' order."""
+    """Stage count the KBA model predicts: 'one' octant, or all eight in an OCTANT_ORDERS
+    order (module docstring)."""
     m = tasks_per_octant
     if octants == "one":
         return m + (px - 1) + (py - 1)
-    if octants == "yx":
-        return 8 * m + 2 * (px - 1) + 3 * (py - 1)
-    if octants == "xy":
-        return 8 * m + 3 * (px - 1) + 2 * (py - 1)
-    raise ValueError(f"octants: {octants!r} is not one of 'one', 'yx', 'xy'")
+    if octants in OCTANT_ORDERS:
+        return 8 * m + hops(px, py, octants)
+    raise ValueError(f"octants: {octants!r} is not one of 'one', " + ", ".join(OCTANT_ORDERS))
 
 
 @dataclass(frozen=True, eq=False)
@@ -241,9 +283,15 @@ class Simulation:
         return busy / (self.plan.ranks * self.makespan)
 
 
-def simulate(plan: SweepPlan, task_time: float = 1.0, message_time: float = 0.0) -> Simulation:
+def simulate(
+    plan: SweepPlan,
+    task_time: float = 1.0,
+    message_time: float = 0.0,
+    copy_time: tuple[float, float] = (0.0, 0.0),
+) -> Simulation:
     """Run the plan on a model machine: a task starts when the rank's previous task and the
-    upwind tasks it needs have ended (plus `message_time` per received face).
+    upwind tasks it needs have ended (plus `message_time` per received face), and takes
+    `task_time` plus `copy_time[axis]` per face it receives (the receiver's share of moving it).
 
     Works from the task lists alone (not the closed forms), so it also proves the plan cannot
     deadlock: a rank waiting on a face nobody will send raises PlanError with the stuck tasks.
@@ -266,7 +314,8 @@ def simulate(plan: SweepPlan, task_time: float = 1.0, message_time: float = 0.0)
                 key = (task.octant, task.angle_block, task.z_block)
                 ready = end[r, done[r] - 1] if done[r] else 0.0
                 blocked = False
-                for peer in (task.recv_x, task.recv_y):
+                took = task_time
+                for axis, peer in enumerate((task.recv_x, task.recv_y)):
                     if peer < 0:
                         continue
                     j = index[peer].get(key)
@@ -274,10 +323,11 @@ def simulate(plan: SweepPlan, task_time: float = 1.0, message_time: float = 0.0)
                         blocked = True
                         break
                     ready = max(ready, end[peer, j] + message_time)
+                    took += copy_time[axis]
                 if blocked:
                     break
                 start[r, done[r]] = ready
-                end[r, done[r]] = ready + task_time
+                end[r, done[r]] = ready + took
                 done[r] += 1
                 progress = True
     if any(d < len(ts) for d, ts in zip(done, plan.tasks, strict=True)):
@@ -347,9 +397,7 @@ def blocking_for(
             kernel = resolve_kernel(cfg.kernel, numpy if device == "cpu" else None)
         except ValueError:
             kernel = "numpy"
-    order = cfg.octant_order
-    if order == "auto":
-        order = "yx" if cfg.py <= cfg.px else "xy"
+    order = resolve_order(cfg.octant_order)
     return choose_blocking(
         cfg.px,
         cfg.py,

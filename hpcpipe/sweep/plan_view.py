@@ -28,11 +28,13 @@ _OCTANT_COLOURS = (
 )
 
 
-def wavefront(sim: Simulation, octant_index: int = 0) -> np.ndarray:
-    """Stage at which each rank starts the given octant (by sweep order), shape (py, px)."""
+def wavefront(sim: Simulation, octant: int | None = None) -> np.ndarray:
+    """Stage at which each rank starts `octant` (default: the corner sequence's first; under
+    `nearest` the ranks reach it at different places in their lists), shape (py, px)."""
     plan = sim.plan
-    m = plan.tasks_per_octant
-    first = np.round(sim.start[:, octant_index * m] / sim.task_time).astype(np.int64)
+    octant = plan.octants[0] if octant is None else octant
+    at = [next(i for i, t in enumerate(ts) if t.octant == octant) for ts in plan.tasks]
+    first = np.round(sim.start[np.arange(plan.ranks), at] / sim.task_time).astype(np.int64)
     return first.reshape(plan.py, plan.px)
 
 
@@ -40,10 +42,9 @@ def _octant_rows(sim: Simulation) -> np.ndarray:
     """(ranks, stages) array: the octant a rank sweeps in each unit stage, -1 when idle."""
     plan = sim.plan
     rows = np.full((plan.ranks, sim.stages), -1, dtype=np.int64)
-    octant = np.array([t.octant for t in plan.tasks[0]], dtype=np.int64)
     cols = np.round(sim.start / sim.task_time).astype(np.int64)
     for r in range(plan.ranks):
-        rows[r, cols[r]] = octant
+        rows[r, cols[r]] = [t.octant for t in plan.tasks[r]]
     return rows
 
 
@@ -101,20 +102,20 @@ def plan_text(
     plan: SweepPlan,
     sim: Simulation,
     *,
-    octant_order: str,
     max_width: int = 100,
     blocking: str = "",
 ) -> str:
     """The sweep's plan view: decomposition, predicted stages and efficiency, wavefront, chart
     (`blocking`: the line saying how the blocking was chosen)."""
     m = plan.tasks_per_octant
-    order = octant_order if octant_order in ("xy", "yx") else ("yx" if plan.py <= plan.px else "xy")
-    closed = closed_form_stages(plan.px, plan.py, m, order)
+    closed = closed_form_stages(plan.px, plan.py, m, plan.order) if plan.order != "custom" else 0
     ideal = 8 * m
     lines = [
         plan.describe(),
         *([blocking] if blocking else []),
-        f"predicted: {sim.stages} stages (closed form {closed}) for {ideal} tasks per rank "
+        f"predicted: {sim.stages} stages"
+        + (f" (closed form {closed})" if closed else "")
+        + f" for {ideal} tasks per rank "
         f"(8 octants x M = {m}), parallel efficiency {sim.efficiency:.3f}",
         "  (unit task time, free messages: the plan's own bound, before any kernel or link cost)",
         "",
@@ -135,7 +136,7 @@ def deck_plan_text(cfg: Any) -> str:
     blocking = blocking_for(cfg, problem)
     plan = plan_for(cfg, problem, blocking)
     line = describe_blocking(blocking)
-    return plan_text(plan, simulate(plan), octant_order=cfg.octant_order, blocking=line)
+    return plan_text(plan, simulate(plan), blocking=line)
 
 
 def plot_plan(sim: Simulation, path: str | Path, *, title: str | None = None) -> Path:
@@ -192,7 +193,7 @@ def plot_plan(sim: Simulation, path: str | Path, *, title: str | None = None) ->
         fig.colorbar(im, ax=axw, shrink=0.7)
     axw.set_xlabel("ix")
     axw.set_ylabel("iy")
-    first = plan.tasks[0][0].octant
+    first = plan.octants[0]
     axw.set_title(f"wavefront: stage at which\neach rank starts octant {first}", fontsize=8)
     fig.suptitle(
         title

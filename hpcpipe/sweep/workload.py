@@ -289,6 +289,7 @@ def _trace_metadata(plan: SweepPlan, config_text: str) -> dict[str, Any]:
         },
         "sweep_plan": plan.describe(),
         "sweep_octants": list(plan.octants),
+        "sweep_order": plan.order,
         "sweep_angle_blocks": plan.angle_blocks,
         "sweep_z_blocks": plan.z_blocks,
     }

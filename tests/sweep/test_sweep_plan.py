@@ -12,6 +12,7 @@ from hpcpipe.sweep.plan import (
     PlanError,
     build_plan,
     closed_form_stages,
+    corner_distance,
     simulate,
     validate,
 )
@@ -33,7 +34,7 @@ def _plan(px, py, z_blocks, angle_blocks, **kw):
 )
 def test_simulated_stages_match_closed_forms(px, py, z_blocks, angle_blocks):
     m = z_blocks * angle_blocks
-    for order in ("yx", "xy"):
+    for order in ("nearest", "yx", "xy"):
         plan = _plan(px, py, z_blocks, angle_blocks, octant_order=order)
         assert plan.tasks_per_octant == m
         sim = validate(plan)
@@ -45,11 +46,31 @@ def test_simulated_stages_match_closed_forms(px, py, z_blocks, angle_blocks):
 
 
 def test_issue_closed_form_and_auto_order():
-    # 8M + 2(Px-1) + 3(Py-1) for the yx order; auto picks the cheaper orientation
+    # 8M + 2(Px-1) + 3(Py-1) for the yx order; auto = nearest: 8M + 2(ceil(Px/2)-1) + ...
     assert closed_form_stages(4, 2, 5, "yx") == 40 + 6 + 3
     assert validate(_plan(4, 2, 5, 1, octant_order="yx")).stages == 49
-    assert validate(_plan(4, 2, 5, 1)).stages == 49  # py <= px: yx
-    assert validate(_plan(2, 4, 5, 1)).stages == 8 * 5 + 3 + 6  # px < py: xy
+    assert validate(_plan(2, 4, 5, 1, octant_order="xy")).stages == 8 * 5 + 3 + 6
+    assert validate(_plan(4, 2, 5, 1)).stages == 40 + 2
+    assert validate(_plan(2, 2, 5, 1)).stages == 40  # four corners at once: no fill at all
+    assert validate(_plan(8, 8, 1, 1)).stages == 8 + 12  # 8 + 35 one corner at a time
+
+
+@pytest.mark.parametrize("px,py", [(2, 1), (3, 2), (4, 4), (5, 3)])
+def test_nearest_starts_every_rank_at_its_closest_corner(px, py):
+    plan = _plan(px, py, 2, 2)
+    assert plan.order == "nearest" and "nearest corners" in plan.describe()
+    keys = {str(t): t.tag for t in plan.tasks[0]}
+    for r, tasks in enumerate(plan.tasks):
+        ix, iy = plan.coords(r)
+        distance = [corner_distance(ix, iy, px, py, t.octant) for t in tasks]
+        assert distance == sorted(distance) and distance[0] == min(
+            corner_distance(ix, iy, px, py, o) for o in range(8)
+        )
+        assert {str(t): t.tag for t in tasks} == keys  # one tag per task on every rank
+        for o, a in {(t.octant, t.angle_block) for t in tasks}:  # z-blocks back to back
+            at = [i for i, t in enumerate(tasks) if (t.octant, t.angle_block) == (o, a)]
+            assert at == list(range(at[0], at[0] + len(at)))
+            assert [tasks[i].z_block for i in at] == sorted(tasks[i].z_block for i in at)
 
 
 def test_octants_of_a_corner_are_back_to_back():
@@ -86,7 +107,8 @@ def test_z_ranges_follow_the_sweep_direction():
 def test_validate_catches_a_missing_receiver():
     plan = _plan(2, 1, 1, 1)
     tasks = [list(ts) for ts in plan.tasks]
-    tasks[1][0] = dataclasses.replace(tasks[1][0], recv_x=-1)
+    first = next(i for i, t in enumerate(tasks[1]) if t.recv_x >= 0)  # one that receives
+    tasks[1][first] = dataclasses.replace(tasks[1][first], recv_x=-1)
     broken = dataclasses.replace(plan, tasks=tuple(tuple(ts) for ts in tasks))
     with pytest.raises(PlanError, match="does not expect it"):
         validate(broken)
@@ -115,7 +137,7 @@ def test_message_time_lowers_predicted_efficiency():
 
 
 def test_describe_and_stage_chart_are_readable():
-    plan = _plan(2, 2, 2, 1)
+    plan = _plan(2, 2, 2, 1, octant_order="yx")
     text = plan.describe()
     assert "2 x 2 ranks" in text and "M = 2" in text and "octant order" in text
     sim = simulate(plan)
@@ -128,11 +150,13 @@ def test_describe_and_stage_chart_are_readable():
     assert wavefront(sim).tolist() == [[0, 1], [1, 2]]
     squeezed = stage_chart(sim, max_width=5).splitlines()
     assert "one column = " in squeezed[0] and all(len(r.split()[1]) <= 5 for r in squeezed[2:])
+    nearest = stage_chart(simulate(_plan(2, 2, 2, 1))).splitlines()[2:]
+    assert all("." not in line.split()[1] for line in nearest)  # all four corners at once
 
 
 def test_plan_text_names_the_closed_form_and_efficiency():
     plan = _plan(4, 2, 2, 1)
-    text = plan_text(plan, simulate(plan), octant_order="auto")
+    text = plan_text(plan, simulate(plan))
     assert "closed form" in text and "parallel efficiency" in text
     assert max(len(line) for line in text.splitlines()) <= 120
 

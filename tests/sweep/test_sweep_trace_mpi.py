@@ -53,6 +53,7 @@ def test_one_block_event_per_planned_task_in_plan_order(traced):
     assert iterations > 2 and trace.num_ranks == 4
     assert trace.steps == tuple(range(1, iterations + 1))  # trace step = iteration, from 1
     assert trace.attrs["workload"] == "sweep" and trace.attrs["sweep_z_blocks"] == plan.z_blocks
+    assert trace.attrs["sweep_order"] == plan.order == "nearest"
     for rank in range(4):
         planned = [(t.octant, t.angle_block * plan.z_blocks + t.z_block) for t in plan.tasks[rank]]
         assert len(planned) == 48
