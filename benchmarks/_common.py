@@ -46,11 +46,20 @@ def mpiexec() -> list[str]:
     return [found]
 
 
-def run_hpcpipe(n: int, args: list[str], timeout: float = 1800) -> str:
-    """`mpiexec -n N python -m hpcpipe ARGS`; exits with the job's output if it fails."""
+def run_hpcpipe(
+    n: int, args: list[str], timeout: float = 1800, env: dict[str, str] | None = None
+) -> str:
+    """`mpiexec -n N python -m hpcpipe ARGS` (with `env` added to the environment); exits with
+    the job's output if it fails."""
     cmd = [*mpiexec(), "-n", str(n), sys.executable, "-m", "hpcpipe", *args]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")

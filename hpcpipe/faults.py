@@ -4,12 +4,15 @@ Set `HPCPIPE_INJECT_FAULT="rank=3,at=topology,kind=raise"` (kind: raise, exit, k
 usr1/term/int, which send the process the scheduler's time-limit warning, its termination
 signal or a Ctrl-C; `at`
 names an injection point such as `topology`, `step:5`, `forward:5`, `backward:5`, `allreduce`,
-`alltoall`, `checkpoint`, `checkpoint-commit` or `sweep-iteration:2`, the start of a sweep's
+`alltoall`, `checkpoint`, `checkpoint-commit`, `replan` (during a re-plan's layer move) or
+`sweep-iteration:2`, the start of a sweep's
 second source iteration); `hit=N` fires on the N-th time the rank reaches the point (default 1),
 so a fault can land in the third allreduce or during the second checkpoint.
 `kind=slow` makes a rank slow instead of failing: `rank=1,at=step:5,kind=slow,factor=2` runs
 every compute action of rank 1 twice as long from step 5 on (`until=N`: up to step N - 1), what
-a throttled or older GPU does to a pipeline (`slowdown`).
+a throttled or older GPU does to a pipeline (`slowdown`). Several faults are separated by `;`:
+`rank=1,at=step:2,kind=slow,factor=4;rank=0,at=replan,kind=raise` makes rank 1 slow and then
+fails rank 0 in the middle of the re-plan that follows.
 Unset, `maybe_fail` and `slowdown` cost one dictionary lookup.
 """
 
@@ -22,35 +25,43 @@ import time
 __all__ = ["InjectedFault", "maybe_fail", "slowdown"]
 
 _SIGNALS = {"usr1": signal.SIGUSR1, "term": signal.SIGTERM, "int": signal.SIGINT}
-_SPEC: dict[str, str] | None = None
-_HITS = [0]
+_SPEC: list[dict[str, str]] | None = None
+_HITS: dict[int, int] = {}
 
 
 class InjectedFault(RuntimeError):
     """Raised by an injected `kind=raise` fault."""
 
 
-def _spec() -> dict[str, str]:
+def _specs() -> list[dict[str, str]]:
     global _SPEC
     if _SPEC is None:
         raw = os.environ.get("HPCPIPE_INJECT_FAULT", "")
-        _SPEC = dict(item.split("=", 1) for item in raw.split(",") if "=" in item)
+        parts = (
+            dict(i.split("=", 1) for i in part.split(",") if "=" in i) for part in raw.split(";")
+        )
+        _SPEC = [spec for spec in parts if spec]
     return _SPEC
 
 
 def maybe_fail(point: str, rank: int | None = None) -> None:
     """Trigger the configured fault if this rank (default: the world rank) is at the point."""
-    spec = _spec()
-    if not spec or spec.get("at") != point:
+    specs = _specs()
+    if not specs:
         return
-    if rank is None:
-        from hpcpipe.mpi.guard import launcher_rank
+    for n, spec in enumerate(specs):
+        if spec.get("at") == point:
+            if rank is None:
+                from hpcpipe.mpi.guard import launcher_rank
 
-        rank = launcher_rank()
-    if int(spec.get("rank", "-1")) != rank:
-        return
-    _HITS[0] += 1
-    if _HITS[0] != int(spec.get("hit", "1")):
+                rank = launcher_rank()
+            if int(spec.get("rank", "-1")) == rank:
+                _fire(spec, n, point, rank)
+
+
+def _fire(spec: dict[str, str], n: int, point: str, rank: int) -> None:
+    _HITS[n] = _HITS.get(n, 0) + 1
+    if _HITS[n] != int(spec.get("hit", "1")):
         return
     kind = spec.get("kind", "raise")
     if kind == "slow":
@@ -75,8 +86,11 @@ def maybe_fail(point: str, rank: int | None = None) -> None:
 
 def slowdown(step: int, rank: int) -> float:
     """The factor a `kind=slow` fault stretches this rank's compute by at `step` (1 = none)."""
-    spec = _spec()
-    if not spec or spec.get("kind") != "slow" or int(spec.get("rank", "-1")) != rank:
+    spec = next(
+        (s for s in _specs() if s.get("kind") == "slow" and int(s.get("rank", "-1")) == rank),
+        None,
+    )
+    if spec is None:
         return 1.0
     at = spec.get("at", "step:1")
     if not at.startswith("step:"):

@@ -63,7 +63,8 @@ class Stage:
         (`hpcpipe.faults.slowdown`), a stand-in for a throttled or older device."""
 
     def _timed(self, kind: str, i: int, t0: int) -> None:
-        self._charge(kind, i, time.perf_counter_ns() - t0)
+        if self.unit_ns is not None or self.slowdown > 1.0:  # else: nothing to charge
+            self._charge(kind, i, time.perf_counter_ns() - t0)
 
     def _charge(self, kind: str, i: int, spent: int) -> None:
         """`spent` ns of compute in unit `i`: stretched by `slowdown`, added to `unit_ns`."""

@@ -188,21 +188,26 @@ class ExpertGroup:
         maybe_fail("alltoall")
         rec = self.recorder
         if rec is not None and rec.enabled:
-            from hpcpipe.io.trace import EventKind
-
             t0 = rec.now()
             result = self._exchange(rows, exchange, out)
-            rec.record(
-                EventKind.ALLTOALL,
-                -1,
-                -1,
-                t0,
-                rec.now(),
-                int(getattr(rows, "nbytes", 0)),
-                value=float(len(rows)),
-            )
+            self._record(rows, t0)
             return result
         return self._exchange(rows, exchange, out)
+
+    def _record(self, rows: Any, t0: int) -> None:
+        """The ALLTOALL trace event of one exchange of `rows` that started at `t0`."""
+        from hpcpipe.io.trace import EventKind
+
+        rec = self.recorder
+        rec.record(
+            EventKind.ALLTOALL,
+            -1,
+            -1,
+            t0,
+            rec.now(),
+            int(getattr(rows, "nbytes", 0)),
+            value=float(len(rows)),
+        )
 
     def alltoallv_op(self, rows: Any, exchange: Exchange) -> Operation:
         """`alltoallv` as a step a layer yields (`hpcpipe.model.steps`): in an overlapped pair
@@ -233,17 +238,7 @@ class ExpertGroup:
         except StopIteration as stop:
             result = stop.value
         if t0 is not None:
-            from hpcpipe.io.trace import EventKind
-
-            rec.record(
-                EventKind.ALLTOALL,
-                -1,
-                -1,
-                t0,
-                rec.now(),
-                int(getattr(rows, "nbytes", 0)),
-                value=float(len(rows)),
-            )
+            self._record(rows, t0)
         return result
 
     def _phases(self, rows: Any, exchange: Exchange, out: Any = None) -> Generator[Any, Any, Any]:

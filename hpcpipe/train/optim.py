@@ -12,7 +12,7 @@ The scale is then passed to the update as `grad_scale` instead of rescaling the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from hpcpipe.config import option
 from hpcpipe.model.layers import array_module
+from hpcpipe.train.trees import leaves, tree_map
 
 __all__ = [
     "OptimConfig",
@@ -82,20 +83,6 @@ class OptimState:
     slots: Mapping[str, Tree]
 
 
-def _tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
-    if isinstance(tree, Mapping):
-        return {k: _tree_map(fn, v, *(r[k] for r in rest)) for k, v in tree.items()}
-    return fn(tree, *rest)
-
-
-def _leaves(tree: Tree) -> Iterable[Array]:
-    if isinstance(tree, Mapping):
-        for v in tree.values():
-            yield from _leaves(v)
-    else:
-        yield tree
-
-
 def _zeros(a: Array) -> Array:
     return array_module(a).zeros_like(a)
 
@@ -103,9 +90,9 @@ def _zeros(a: Array) -> Array:
 def init_state(cfg: OptimConfig, params: Tree) -> OptimState:
     """Zero slots shaped like `params`."""
     if cfg.kind == "adamw":
-        return OptimState(0, {"m": _tree_map(_zeros, params), "v": _tree_map(_zeros, params)})
+        return OptimState(0, {"m": tree_map(_zeros, params), "v": tree_map(_zeros, params)})
     if cfg.momentum > 0:
-        return OptimState(0, {"momentum": _tree_map(_zeros, params)})
+        return OptimState(0, {"momentum": tree_map(_zeros, params)})
     return OptimState(0, {})
 
 
@@ -220,7 +207,7 @@ def apply_update(
 def grad_sq_norm(grads: Tree) -> float:
     """Sum of squared gradient entries (float64): this rank's part of the global norm squared."""
     total = 0.0
-    for g in _leaves(grads):
+    for g in leaves(grads):
         total += float((g.astype(np.float64) ** 2).sum())
     return total
 

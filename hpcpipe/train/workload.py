@@ -41,6 +41,7 @@ from hpcpipe.train.replan import (
     cost_model,
     unit_groups,
 )
+from hpcpipe.train.trees import leaves, tree_map
 
 __all__ = ["run"]
 
@@ -371,13 +372,14 @@ class Trainer:
         outgoing: dict[int, dict[int, Any]] = {}
         for i, dest in after.items():
             if before[i] == me and dest != me:
-                outgoing.setdefault(dest, {})[i] = _tree_map(backend.to_host, held.pop(i))
+                outgoing.setdefault(dest, {})[i] = tree_map(backend.to_host, held.pop(i))
         sources = {before[i] for i, dest in after.items() if dest == me and before[i] != me}
-        sent = sum(int(a.nbytes) for part in outgoing.values() for a in _leaves(part))
+        sent = sum(int(a.nbytes) for part in outgoing.values() for a in leaves(part))
         self.runner.free()
+        maybe_fail("replan", ctx.rank)  # a test point: a rank lost in the middle of the move
         for part in exchange_objects(pp_comm, outgoing, sources).values():
             for i, tree in part.items():
-                held[i] = _tree_map(lambda a: ctx.xp.asarray(a, dtype=a.dtype), tree)
+                held[i] = tree_map(lambda a: ctx.xp.asarray(a, dtype=a.dtype), tree)
         self.params = {s: {i: held[i][0] for i in ranges[s]} for s in self.mine}
         self.opt_state = {
             s: OptimState(optim_step, {k: {i: held[i][1][k] for i in ranges[s]} for k in slots})
@@ -843,20 +845,3 @@ def _verify(
             f"verify failed: parameters differ from the reference by {worst:.3e} "
             f"(at {where}), losses by {worst_loss:.3e}; tolerance {rtol:g}"
         )
-
-
-def _tree_map(fn: Any, tree: Any) -> Any:
-    """`fn` over the arrays of nested dicts and tuples (a unit's parameters and slots)."""
-    if isinstance(tree, dict):
-        return {k: _tree_map(fn, v) for k, v in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(_tree_map(fn, v) for v in tree)
-    return fn(tree)
-
-
-def _leaves(tree: Any) -> Any:
-    if isinstance(tree, dict | tuple):
-        for v in tree.values() if isinstance(tree, dict) else tree:
-            yield from _leaves(v)
-    else:
-        yield tree

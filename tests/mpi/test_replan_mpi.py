@@ -140,3 +140,34 @@ def test_bad_replan_key_ends_the_launched_job_with_exit_2(mpirun, tmp_path):
     assert "replan.speeds = [1.0, 1.0, 1.0] must give one speed per pipeline rank (2)" in (
         r.stderr
     ), r.output
+
+
+def test_a_rank_lost_during_the_move_ends_the_job_and_its_checkpoint_resumes(mpirun, tmp_path):
+    """A failure in the middle of moving layers (peers blocked in the exchange) ends the whole
+    job with the failing rank named, the last checkpoint before the move stays good, and a
+    resume from it (the deck's partition: checkpoints are layout-free) equals the reference."""
+    args = ["run", TINY, "--overwrite"]
+    for s in (
+        f"run.output='{tmp_path}'",
+        "run.steps=10",
+        "topology.pp=2",
+        "replan.enabled=true",
+        "replan.check_every=4",
+        "checkpoint.every=2",
+        "checkpoint.fsync=false",
+        "train.verify=true",
+    ):
+        args += ["--set", s]
+    fault = "rank=1,at=step:2,kind=slow,factor=4;rank=0,at=replan,kind=raise"
+    r = mpirun(2, args, env={"HPCPIPE_INJECT_FAULT": fault}, timeout=120)
+    assert r.returncode == 1, r.output
+    assert "[rank 0 on " in r.stderr and "injected fault at replan" in r.stderr, r.output
+    # the move fails at the check after step 4, before that step's checkpoint: step 2 is last
+    done = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert done == ["step_000002"], done
+    from hpcpipe.cli import main as cli_main
+
+    assert cli_main(["ckpt", "verify", str(tmp_path / "checkpoints" / done[-1])]) == 0
+    r = mpirun(2, [args[0], args[1], "--resume", *args[3:]], timeout=120)
+    assert r.returncode == 0, r.output
+    assert "verify OK" in r.stdout, r.stdout

@@ -171,7 +171,7 @@ def test_resume_from_a_checkpoint_is_bitwise(full, tmp_path):
 
 def test_signal_checkpoints_writes_status_and_resumes(full, tmp_path, monkeypatch):
     _, config, result = full
-    monkeypatch.setattr(faults, "_SPEC", {"rank": "0", "at": "sweep-iteration:3", "kind": "usr1"})
+    monkeypatch.setattr(faults, "_SPEC", [{"rank": "0", "at": "sweep-iteration:3", "kind": "usr1"}])
     lines: list[str] = []
     stop = StopSignal()
     try:
@@ -192,7 +192,7 @@ def test_signal_checkpoints_writes_status_and_resumes(full, tmp_path, monkeypatc
     status = json.loads((tmp_path / "status.json").read_text())
     assert status == {"state": "preempted", "step": 3, "checkpoint": str(checkpoint)}
     assert not (tmp_path / "flux.h5").exists()  # not an answer yet
-    monkeypatch.setattr(faults, "_SPEC", {})
+    monkeypatch.setattr(faults, "_SPEC", [])
     done = run_sweep(
         config.sweep,
         MPI.COMM_SELF,
