@@ -394,7 +394,8 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report:
         report.note(
             f"{p} x 1 rank: every rank solves the whole problem alone at the same time; its eff "
             f"= iter(1 rank) / iter(that) = {c:.3f} is what one core keeps of its speed when "
-            f"all {p} are busy, a bound on the {p}-rank efficiency that no blocking can pass"
+            f"all {p} are busy on the same work (a rank of the {p}-rank grid holds 1/{p} of the "
+            "data, which caches better: its efficiency may pass this)"
         )
     if "fitted_cost" in summary:
         f = summary["fitted_cost"]
