@@ -1,5 +1,6 @@
-"""Real mpiexec runs: the KBA executor equals the serial sweep on 2x1, 1x2, 2x2 and 4x2 ranks
-with several z- and angle-block sizes, and `hpcpipe run` on a sweep deck end to end."""
+"""Real mpiexec runs: the KBA executor equals the serial sweep on 2x1, 1x2, 2x2, 3x2 and 4x2
+ranks with several z- and angle-block sizes and the three octant orders, and `hpcpipe run` on a
+sweep deck end to end."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ ROOT = HERE.parents[1]
 TINY = ROOT / "inputs" / "sweep_tiny.toml"
 
 
-@pytest.mark.parametrize("ranks,layouts", [(2, {(2, 1), (1, 2)}), (4, {(2, 2)}), (8, {(4, 2)})])
+@pytest.mark.parametrize(
+    "ranks,layouts", [(2, {(2, 1), (1, 2)}), (4, {(2, 2)}), (6, {(3, 2)}), (8, {(4, 2)})]
+)
 def test_parallel_sweep_equals_serial(ranks, layouts):
     cmd = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(HERE / "sweep_mpi_check.py")]
     proc = subprocess.run(
@@ -40,6 +43,7 @@ def test_parallel_sweep_equals_serial(ranks, layouts):
         "step-product-all-faces",
     }
     assert {r["kernel"] for r in records} == {"numba", "numpy"}  # the default and the fallback
+    assert {r["order"] for r in records} == {"nearest", "yx", "xy"}  # per-rank and shared orders
     assert len({r["tasks_per_octant"] for r in records}) >= 4  # several blockings really ran
     for r in records:
         assert r["max_rel_diff"] < 1e-12, r
