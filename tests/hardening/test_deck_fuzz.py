@@ -218,7 +218,7 @@ def coherent(draw: st.DrawFn, world: int) -> dict[str, dict[str, Any]]:
             "azimuthal": azimuthal,
             "z_block": draw(st.sampled_from([0, *_divisors(nz)])),
             "angle_block": draw(st.sampled_from([0, *_divisors(dirs)])),
-            "octant_order": draw(st.sampled_from(["auto", "yx", "xy"])),
+            "octant_order": draw(st.sampled_from(["auto", "nearest", "yx", "xy"])),
             "max_iterations": draw(st.integers(1, 5)),
         }
         return deck
