@@ -109,9 +109,14 @@ class LocalCells:
     def cells(self) -> int:
         return int(self.ids.size)
 
-    def source(self, phi: Any) -> Any:
-        """q = fixed + sum_g sigma_s[g -> g'] phi_g, per cell and group g'."""
-        q = self.fixed.copy()
+    def source(self, phi: Any, out: Any = None) -> Any:
+        """q = fixed + sum_g sigma_s[g -> g'] phi_g, per cell and group g' (into `out`, when
+        given: the solver's buffer, so an iteration allocates no (cells, G) array for it)."""
+        if out is None:
+            q = self.fixed.copy()
+        else:
+            q = out
+            q[...] = self.fixed
         for cells, matrix in self._scatter:
             q[cells] += phi[cells] @ matrix
         return q
@@ -233,14 +238,16 @@ def solve(
     outflow = inflow = np.zeros(problem.groups)
     converged = stopping = False
     walls: list[float] = []
+    q, diff = xp.empty_like(state.phi), xp.empty_like(state.phi)  # reused every iteration
     for it in range(state.iterations + 1, max_iterations + 1):
         if control is not None:
             control.begin(it)
         t0 = time.perf_counter()
         phi = state.phi
-        new, outflow, inflow = sweeper.sweep(cells.source(phi), cells.sigma_t)
+        new, outflow, inflow = sweeper.sweep(cells.source(phi, out=q), cells.sigma_t)
         asked = 1.0 if control is not None and control.stop_requested() else 0.0
-        local = [float(xp.abs(new - phi).max()), float(xp.abs(new).max()), sweeper.timing.wall]
+        xp.subtract(new, phi, out=diff)
+        local = [_abs_max(diff), _abs_max(new), sweeper.timing.wall]
         change, scale, wall, stop = (float(v) for v in sweeper.allmax(np.array([*local, asked])))
         walls.append(time.perf_counter() - t0)  # the allmax ends the iteration on every rank
         dphi = change / scale if scale > 0 else change
@@ -320,6 +327,11 @@ def _not_converged(
     else:
         msg += "; raise sweep.max_iterations or loosen sweep.tolerance (slow when c is near 1)"
     return msg
+
+
+def _abs_max(a: Any) -> float:
+    """max |a| without the temporary |a| (the same value: negation is exact); NaN if any."""
+    return max(float(a.max()), -float(a.min()))
 
 
 def _host(xp: Any, value: Any) -> np.ndarray:

@@ -3,9 +3,10 @@
 Under pipeline parallelism the slowest rank sets everyone's pace. The interpreter already times
 every action; every `check_every` steps those times (medians over the window) are turned into a
 rate per pipeline rank (seconds per unit of layer weight, per action kind), the layer partition
-is re-balanced for those rates, and the simulator predicts the step of both partitions from the
-same rates. A switch happens only when the predicted gain clears `min_gain`, and not within
-`cooldown` checks of the last one, so measurement noise never makes the plan flap.
+is re-balanced for those rates and then moved a stage boundary at a time while the simulator,
+fed the same rates, predicts a shorter step. A switch happens only when the predicted gain
+clears `min_gain`, and not within `cooldown` checks of the last one, so measurement noise never
+makes the plan flap.
 
 Everything here is pure (numbers in, numbers out); `hpcpipe.train.workload` gathers the costs,
 shares rank 0's decision and moves the layers (`hpcpipe.mpi.collectives.exchange_objects`).
@@ -13,9 +14,10 @@ shares rank 0's decision and moves the layers (`hpcpipe.mpi.collectives.exchange
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,6 +211,8 @@ class Replanner:
     """Seconds per step of one unit of each group on a rank of slowness 1 (F + B + W)."""
     checks_since_switch: int | None = None
     """None before the first switch (no cooldown yet)."""
+    _descent_key: tuple[tuple[range, ...], tuple[range, ...]] | None = None
+    _descent: tuple[range, ...] = ()
 
     def propose(self, current: Sequence[range], measured: Measured) -> Proposal:
         """Estimate rank speeds and unit costs from `measured`, balance the partition for
@@ -253,13 +257,17 @@ class Replanner:
             return simulate(schedule, cost_model(modelled, n)).makespan
 
         before = predict(current)
-        return Proposal(
-            ranges,
-            tuple(current),
-            tuple(float(x) for x in slowness),
-            before,
-            predict(ranges) if ranges != tuple(current) else before,
-        )
+        # the descent costs a few simulations per stage boundary: it runs again only when the
+        # balanced or the current partition changes (every check otherwise costs what it did
+        # before it: one or two simulations), so a quiet run pays for it once
+        key = (tuple(current), tuple(ranges))
+        if key != self._descent_key:
+            self._descent_key, self._descent = key, _descend(ranges, predict)[0]
+        ranges = self._descent
+        after = predict(ranges) if ranges != tuple(current) else before
+        if after >= before:  # nothing predicted faster than staying
+            ranges, after = tuple(current), before
+        return Proposal(ranges, tuple(current), tuple(float(x) for x in slowness), before, after)
 
     def decide(self, proposal: Proposal) -> bool:
         """Whether to switch to `proposal` now (and remember it when so)."""
@@ -271,6 +279,39 @@ class Replanner:
             return False
         self.checks_since_switch = 0
         return True
+
+
+def _descend(
+    start: Sequence[range], predict: Callable[[Sequence[range]], float]
+) -> tuple[tuple[range, ...], float]:
+    """The partition the simulator predicts fastest near `start`, and its predicted step.
+
+    `balance_placement` balances the work inside the units; the simulator also counts what
+    stays with a stage whatever it holds (sends, dispatch, the loss) and the schedule's
+    dependencies, so a stage with much of that should hold fewer units than the balance gives.
+    Steepest descent over moves of one stage boundary by one unit, each stage keeping one.
+    """
+    bounds = [r.start for r in start] + [start[-1].stop]
+
+    def ranges(b: Sequence[int]) -> tuple[range, ...]:
+        return tuple(range(a, z) for a, z in itertools.pairwise(b))
+
+    best = predict(ranges(bounds))
+    for _ in range(bounds[-1]):  # each round strictly faster: a bound, never reached
+        trials = []
+        for i in range(1, len(bounds) - 1):
+            for step in (-1, 1):
+                trial = list(bounds)
+                trial[i] += step
+                if trial[i - 1] < trial[i] < trial[i + 1]:
+                    trials.append((predict(ranges(trial)), trial))
+        if not trials:
+            break
+        t, trial = min(trials, key=lambda x: x[0])
+        if t >= best * (1.0 - 1e-9):  # no move is faster beyond round-off
+            break
+        bounds, best = trial, t
+    return ranges(bounds), best
 
 
 def unit_groups(units: Sequence[Any]) -> list[Hashable]:

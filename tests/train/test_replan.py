@@ -95,6 +95,55 @@ def test_a_slow_rank_gives_layers_away_and_the_gain_is_predicted(slow_rank):
     assert not after.changes
 
 
+@pytest.mark.parametrize(
+    "extra, sizes", [(0.5, [5, 3]), (1.0, [5, 3]), (2.0, [6, 2]), (4.0, [7, 1])]
+)
+def test_time_a_stage_spends_outside_its_units_moves_units_off_it(extra, sizes):
+    """Equal ranks, but every action of stage 1 spends `extra` s outside its units (sends,
+    the loss): the unit work alone balances at [4, 4]; the simulator finds the faster
+    partition, and predicts it as the simulator fed that partition's own costs does."""
+    from hpcpipe.schedules.simulate import simulate
+    from hpcpipe.train.replan import cost_model
+
+    schedule = build_schedule("1f1b", 2, 4)
+    current = (range(0, 4), range(4, 8))
+
+    def measured(ranges):
+        m = _measured(schedule, ranges, [1.0, 1.0])
+        stages = {k: v + extra * (k[1] == 1) for k, v in m.stage_seconds.items()}
+        return Measured(stages, m.unit_seconds)
+
+    balanced = balance_placement([SECONDS[g] for g in GROUPS], 2, schedule.stages_of_rank)
+    assert [len(r) for r in balanced] == [4, 4]
+    proposal = Replanner(ReplanConfig(enabled=True), schedule, GROUPS).propose(
+        current, measured(current)
+    )
+    assert [len(r) for r in proposal.ranges] == sizes
+    truth = simulate(schedule, cost_model(measured(proposal.ranges).stage_seconds, 2)).makespan
+    assert proposal.predicted_new == pytest.approx(truth, rel=1e-9)
+    assert proposal.predicted_new < proposal.predicted_now
+
+
+def test_checks_search_again_only_when_a_partition_changes(monkeypatch):
+    """The descent costs simulations per stage boundary: a check whose balanced and current
+    partitions are those of the last search reuses its answer."""
+    import hpcpipe.train.replan as replan
+
+    calls = []
+    descend = replan._descend
+    monkeypatch.setattr(replan, "_descend", lambda *a: calls.append(1) or descend(*a))
+    schedule = build_schedule("1f1b", 2, 4)
+    planner = Replanner(ReplanConfig(enabled=True), schedule, GROUPS)
+    even = (range(0, 4), range(4, 8))
+    for _ in range(3):
+        assert not planner.propose(even, _measured(schedule, even, [1.0, 1.0])).changes
+    assert len(calls) == 1
+    slow = planner.propose(even, _measured(schedule, even, [1.0, 2.0]))
+    assert slow.changes and len(calls) == 2
+    planner.propose(slow.ranges, _measured(schedule, slow.ranges, [1.0, 2.0]))
+    assert len(calls) == 3
+
+
 def test_equal_ranks_keep_their_partition():
     schedule = build_schedule("zb-v", 2, 4)
     current = (range(0, 3), range(3, 4), range(4, 6), range(6, 8))
