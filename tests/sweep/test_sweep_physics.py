@@ -277,3 +277,21 @@ def test_blocked_single_rank_executor_equals_serial(
     assert got.iterations == ref.iterations
     np.testing.assert_allclose(got.phi, ref.phi, rtol=1e-13, atol=0)
     assert 0 < got.efficiency <= 1
+
+
+def test_the_source_into_a_buffer_equals_a_fresh_one_and_abs_max_equals_abs_then_max():
+    """The solver's reused buffers change no bit: `source(phi, out=q)` writes what
+    `source(phi)` returns (over whatever q held before), and max |x| taken as
+    max(max x, -min x) is np.abs(x).max(), NaN included."""
+    from hpcpipe.sweep.solver import _abs_max
+
+    problem = build_problem(SweepConfig(**TWO_GROUP))
+    cells = LocalCells(problem)
+    phi = np.random.default_rng(3).random((cells.cells, 2))
+    q = np.full((cells.cells, 2), np.nan)
+    assert cells.source(phi, out=q) is q
+    np.testing.assert_array_equal(q, cells.source(phi))
+    for a in (phi - 0.5, -phi, phi, np.array([[-3.0, 2.0]]), np.array([[1.0, np.nan]])):
+        want = float(np.abs(a).max())
+        got = _abs_max(a)
+        assert got == want or (math.isnan(got) and math.isnan(want))
