@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -146,12 +147,16 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
     stages_of, rank_of, act = prob.stages_of, prob.rank_of, prob.act
     t_f, t_b, t_w = prob.dur
     comm, b_frees = prob.comm, prob.b_frees
+    w_frees = 1.0 - b_frees
     limit = cap + REL * max(1.0, abs(cap))
     if prob.floor > limit:
         return None
     depth = policy.depth or (m,) * p
-    w_limit = policy.w_limit
+    w_limit = -1 if policy.w_limit is None else policy.w_limit
     up_first = policy.b_order == "up"
+    b_rows = [row[::-1] if up_first else row for row in stages_of]
+    f_rows = [row[::-1] for row in stages_of]  # the second chunk carries an older microbatch
+    first = [row[0] for row in stages_of]
     f_in = [[_INF] * m for _ in range(S)]  # when each F's input arrives
     b_in = [[_INF] * m for _ in range(S)]
     f_in[0] = [0.0] * m
@@ -161,102 +166,114 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
     held = [0] * p  # microbatches between their first F and first-stage W on the rank
     waiting = [0.0] * p  # first-chunk activations of microbatches not yet on their second chunk
     second = [sum(act[x] for x in row[1:]) for row in stages_of]
-    deferred: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (stage, mb) owing W
+    two = [len(row) > 1 for row in stages_of]
+    deferred: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]  # (stage, mb) owing W
     planned = [0.0] * p  # when each rank next looks for work
     left = [3 * m * len(row) for row in stages_of]
     order: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
     heap = [(0.0, r) for r in range(p)]
+    push, pop = heapq.heappush, heapq.heappop
     makespan = 0.0
     depth_bound = False
-
-    def arrive(q: int, at: float, free_at: float) -> None:
-        at = max(at, free_at)
-        if at < planned[q]:
-            planned[q] = at
-            heapq.heappush(heap, (at, q))
-
+    last = S - 1
     free = [0.0] * p
     while heap:
-        t, r = heapq.heappop(heap)
+        t, r = pop(heap)
         if t != planned[r] or not left[r]:
             continue
-        row = stages_of[r]
         owed = deferred[r]
-        choice = None
-        if owed and w_limit is not None and len(owed) > w_limit:
-            choice = (_W, *owed[0])
-        if choice is None:
-            for s in row if not up_first else row[::-1]:
-                j = nb[s]
-                if (
-                    j < m
-                    and b_in[s][j] <= t
-                    and (choice is None or (not up_first and j < choice[2]))
-                ):
-                    choice = (_B, s, j)
-        if choice is None:
-            for s in row[::-1]:  # the second chunk carries an older microbatch
-                i = nf[s]
-                if i >= m or f_in[s][i] > t or live[r] + act[s] > limit:
-                    continue
-                if s == row[0]:
-                    if waiting[r] + act[s] + second[r] > limit:
+        kind = -1
+        s = i = 0
+        if w_limit >= 0 and len(owed) > w_limit:
+            kind = _W
+        else:
+            for x in b_rows[r]:
+                j = nb[x]
+                if j < m and b_in[x][j] <= t and (kind < 0 or (not up_first and j < i)):
+                    kind, s, i = _B, x, j
+            if kind < 0:
+                live_r = live[r]
+                r0 = first[r]
+                for x in f_rows[r]:
+                    j = nf[x]
+                    if j >= m or f_in[x][j] > t or live_r + act[x] > limit:
                         continue
-                    if held[r] >= depth[r]:
-                        depth_bound = True
-                        continue
-                if choice is None or i < choice[2]:
-                    choice = (_F, s, i)
-        if choice is None and owed:
-            choice = (_W, *owed[0])
-        if choice is None:
+                    if x == r0:
+                        if waiting[r] + act[x] + second[r] > limit:
+                            continue
+                        if held[r] >= depth[r]:
+                            depth_bound = True
+                            continue
+                    if kind < 0 or j < i:
+                        kind, s, i = _F, x, j
+            if kind < 0 and owed:
+                kind = _W
+        if kind < 0:
             nxt = _INF
-            for s in row:
-                if nb[s] < m and b_in[s][nb[s]] > t:
-                    nxt = min(nxt, b_in[s][nb[s]])
-                if nf[s] < m and f_in[s][nf[s]] > t:
-                    nxt = min(nxt, f_in[s][nf[s]])
+            for x in stages_of[r]:
+                j = nb[x]
+                if j < m:
+                    a = b_in[x][j]
+                    if t < a < nxt:
+                        nxt = a
+                j = nf[x]
+                if j < m:
+                    a = f_in[x][j]
+                    if t < a < nxt:
+                        nxt = a
             planned[r] = nxt
             if nxt < _INF:
-                heapq.heappush(heap, (nxt, r))
+                push(heap, (nxt, r))
             continue
-        kind, s, i = choice
-        order[r].append(choice)
         left[r] -= 1
         if kind == _F:
+            order[r].append((_F, s, i))
             end = t + t_f[s]
             nf[s] += 1
             live[r] += act[s]
-            if s == row[0]:
+            if s == first[r]:
                 held[r] += 1
-                if len(row) > 1:
+                if two[r]:
                     waiting[r] += act[s]
             else:
-                waiting[r] -= act[row[0]]
-            if s == S - 1:
+                waiting[r] -= act[first[r]]
+            if s == last:
                 b_in[s][i] = end
             else:
                 q = rank_of[s + 1]
-                f_in[s + 1][i] = end + (comm if q != r else 0.0)
-                arrive(q, f_in[s + 1][i], free[q])
+                at = end if q == r else end + comm
+                f_in[s + 1][i] = at
+                if free[q] > at:
+                    at = free[q]
+                if at < planned[q]:
+                    planned[q] = at
+                    push(heap, (at, q))
         elif kind == _B:
+            order[r].append((_B, s, i))
             end = t + t_b[s]
             nb[s] += 1
             live[r] -= b_frees * act[s]
             owed.append((s, i))
             if s > 0:
                 q = rank_of[s - 1]
-                b_in[s - 1][i] = end + (comm if q != r else 0.0)
-                arrive(q, b_in[s - 1][i], free[q])
+                at = end if q == r else end + comm
+                b_in[s - 1][i] = at
+                if free[q] > at:
+                    at = free[q]
+                if at < planned[q]:
+                    planned[q] = at
+                    push(heap, (at, q))
         else:
+            s, i = owed.popleft()
+            order[r].append((_W, s, i))
             end = t + t_w[s]
-            owed.remove((s, i))
-            live[r] -= (1.0 - b_frees) * act[s]
-            if s == row[0]:
+            live[r] -= w_frees * act[s]
+            if s == first[r]:
                 held[r] -= 1
-        makespan = max(makespan, end)
+        if end > makespan:
+            makespan = end
         free[r] = planned[r] = end
-        heapq.heappush(heap, (end, r))
+        push(heap, (end, r))
     if any(left):  # unreachable for cap >= floor (see the module docstring); kept as a guard
         return None
     return Run(tuple(tuple(o) for o in order), makespan, depth_bound)

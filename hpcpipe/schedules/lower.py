@@ -18,8 +18,9 @@ import dataclasses
 
 import numpy as np
 
-from hpcpipe.schedules._table import ComputeTable, compute_table, cycle_error
+from hpcpipe.schedules._table import ComputeTable, compute_table
 from hpcpipe.schedules.ir import Kind, Schedule
+from hpcpipe.schedules.simulate import run_rounds
 
 __all__ = ["lower", "lower_table", "lower_with_times", "relocated", "strip_comm"]
 
@@ -134,32 +135,10 @@ def _pair_slots(
 
 def _unit_time_run(table: ComputeTable) -> np.ndarray:
     """End of each compute action when each takes one unit and a rank runs its next action
-    as soon as its inputs exist (one action per rank and round; a pair's F half waits for
-    both halves' inputs); raises on a cycle."""
-    n = table.n
-    never = np.iinfo(np.int64).max
-    done = np.full(n + 1, never, dtype=np.int64)
-    done[n] = 0
-    dep = table.dep if table.timed_dep is None else table.timed_dep
-    dep2 = table.pair_dep
-    ptr = table.offsets[:-1].copy()
-    stop = table.offsets[1:]
-    act = np.flatnonzero(ptr < stop)
-    now = 0
-    while act.size:
-        now += 1
-        a = ptr[act]
-        ok = done[dep[a]] < now
-        if dep2 is not None:
-            ok &= done[dep2[a]] < now
-        if not ok.all():
-            if not ok.any():
-                raise cycle_error(table, a)
-            act, a = act[ok], a[ok]
-        done[a] = now
-        ptr[act] += 1
-        act = np.flatnonzero(ptr < stop)
-    return done[:n]
+    as soon as its inputs exist (a pair's F half waits for both halves' inputs), as integer
+    rounds; raises on a cycle."""
+    _, end = run_rounds(table, None, None)
+    return end.astype(np.int64)
 
 
 def lower(schedule: Schedule) -> Schedule:

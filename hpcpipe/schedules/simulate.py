@@ -21,6 +21,7 @@ from functools import cached_property
 
 import numpy as np
 
+from hpcpipe.schedules._rank_order import run_in_rank_order
 from hpcpipe.schedules._table import ComputeTable, compute_table, cycle_error
 from hpcpipe.schedules.ir import Action, Kind, Schedule
 
@@ -210,48 +211,23 @@ def durations(table: ComputeTable, arrays: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def run_rounds(
-    table: ComputeTable, dur: np.ndarray, delay: np.ndarray, delay2: np.ndarray | None = None
+    table: ComputeTable,
+    dur: np.ndarray | None,
+    delay: np.ndarray | None,
+    delay2: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Start/end of every compute action: list scheduling in each rank's fixed order.
 
     `delay[a]`: transfer time of action a's input; `delay2[a]`: of its second input (a
-    pair's F half also waits for its B half's input, since the two start together).
-    Raises `ScheduleError` (dependency cycle) when no rank can move.
+    pair's F half also waits for its B half's input, since the two start together); `dur`
+    None: unit time, no transfer cost. Raises `ScheduleError` (dependency cycle) when no rank
+    can move.
     """
-    n = table.n
-    p = table.offsets.size - 1
     dep = table.dep if table.timed_dep is None else table.timed_dep
-    dep2 = table.pair_dep
-    if dep2 is not None and delay2 is None:
-        delay2 = np.zeros(n)
-    start = np.empty(n)
-    end = np.full(n + 1, np.inf)
-    end[n] = 0.0
-    ptr = table.offsets[:-1].copy()
-    stop = table.offsets[1:]
-    free = np.zeros(p)
-    act = np.flatnonzero(ptr < stop)
-    while act.size:
-        a = ptr[act]
-        ready = end[dep[a]] + delay[a]  # when the input is there
-        if dep2 is not None:
-            assert delay2 is not None
-            np.maximum(ready, end[dep2[a]] + delay2[a], out=ready)
-        ok = ready != np.inf
-        if not ok.all():
-            if not ok.any():
-                raise cycle_error(table, a)
-            act_ok, a, ready = act[ok], a[ok], ready[ok]
-        else:
-            act_ok = act
-        st = np.maximum(free[act_ok], ready)
-        en = st + dur[a]
-        start[a] = st
-        end[a] = en
-        free[act_ok] = en
-        ptr[act_ok] += 1
-        act = act[ptr[act] < stop[act]]
-    return start, end[:n]
+    start, end, stuck = run_in_rank_order(table.offsets, dep, table.pair_dep, dur, delay, delay2)
+    if stuck is not None:
+        raise cycle_error(table, stuck)
+    return start, end[: table.n]
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:

@@ -230,8 +230,7 @@ def _ordered_in_time(
     if cpos.size == 0:
         return True
     if unit_end is None:
-        n = table.n
-        _, unit_end = run_rounds(table, np.ones(n), np.zeros(n))
+        _, unit_end = run_rounds(table, None, None)
     S, m = sched.num_stages, sched.num_microbatches
     horizon = 4 * (int(np.max(unit_end)) + 1) if unit_end.size else 4
     kd = np.int32 if horizon < np.iinfo(np.int32).max else np.int64
