@@ -124,6 +124,7 @@ SUMMARY = (
     "pipeline_synthetic",
     "sweep_grind",
     "plan_scale",
+    "layout_search",
     "trace_overhead",
 )
 """Results whose targets the summary lists, in the page's order."""

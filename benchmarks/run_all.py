@@ -32,6 +32,7 @@ FIGURES = (
     "plan_scale",
     "schedule_search",
     "schedule_exact",
+    "layout_search",
 )
 
 

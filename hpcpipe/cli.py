@@ -214,6 +214,19 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pareto-png", default=None, help="also draw that front to this PNG (implies --pareto)"
     )
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="rank every pp x dp x ep x order x schedule x microbatches layout of --world "
+        "ranks by predicted step under the [machine] model, and say why the rest do not fit",
+    )
+    p.add_argument("--top", type=int, default=10, help="--search: layouts listed (default 10)")
+    p.add_argument(
+        "--write-deck",
+        default=None,
+        metavar="FILE",
+        help="--search: write the deck with the chosen layout to FILE",
+    )
 
 
 def _execute_plan(args: argparse.Namespace) -> int:
@@ -227,6 +240,8 @@ def _execute_plan(args: argparse.Namespace) -> int:
             from hpcpipe.plotting import require_matplotlib
 
             require_matplotlib("plan", flag)
+    if args.search or args.write_deck:
+        return _layout_search(config, args)
     world, note = planning_world(config, args.world)
     if note:
         print(f"note: {note}\n")
@@ -274,6 +289,24 @@ def _execute_plan(args: argparse.Namespace) -> int:
             print()
             print(_partition_text(config, rankmap.pp))
     return 0
+
+
+def _layout_search(config: Config, args: argparse.Namespace) -> int:
+    """`plan --search`: the world is the user's (the deck's degrees are what is searched)."""
+    from hpcpipe.layout.report import layout_search_report
+
+    if not args.search:
+        raise ConfigError("--write-deck", "", "writes the layout --search chooses: add --search")
+    if args.world is None or args.world < 1:
+        raise ConfigError("--world", "", "--search needs the world size to lay out (--world N)")
+    if args.top < 1:
+        raise ConfigError("--top", "", f"= {args.top} must be >= 1")
+    text, found = layout_search_report(
+        config, args.world, ranks_per_node=args.ranks_per_node, top=args.top,
+        write_deck=args.write_deck,
+    )  # fmt: skip
+    print(text)
+    return 0 if found else 1
 
 
 def _partition_text(config: Config, pp: int) -> str:

@@ -288,6 +288,7 @@ _SECTIONS: dict[str, str | type] = {
     "moe": "hpcpipe.moe.config:MoEConfig",
     "checkpoint": "hpcpipe.io.ckpt_config:CheckpointConfig",
     "trace": "hpcpipe.io.trace_config:TraceConfig",
+    "machine": "hpcpipe.layout.machine:MachineConfig",
 }
 
 

@@ -471,8 +471,13 @@ def test_every_shipped_deck_passes_on_its_world():
         "sweep_kobayashi.toml": 1,
         "sweep_kripke.toml": 1,
     }
+    planning_only = {"layout_moe_gpt32.toml": 64}  # GPU-node sized: for `plan --search`
     for name, deck in DECKS.items():
-        assert check_one(deck, [], None, worlds.get(name, 4)) == "ok", name
+        got = check_one(deck, [], None, planning_only.get(name, worlds.get(name, 4)))
+        if name in planning_only:  # every check passes but this machine's memory
+            assert "is too large" in got and "more than this node's" in got, (name, got)
+        else:
+            assert got == "ok", name
 
 
 # ---------------------------------------------------------------- fixed decks through the CLI

@@ -1,0 +1,160 @@
+"""[machine]: what a rank can compute, hold and send, inside a node and across nodes.
+
+The layout search predicts a step from these figures, so they should be measured, not guessed:
+`calibration_intra` / `calibration_inter` name `hpcpipe bench p2p|alltoall ... --json` results
+measured with the ranks inside one node / on two nodes, and each overrides the keys it
+measures (latency and bandwidth from the ping-pong curve, all-to-all bandwidth from its largest
+message). The defaults describe a generic 8-GPU node (NVLink-class links inside, one
+InfiniBand-class rail per GPU across) and are there so that `plan --search` runs at all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcpipe.config import ConfigError, option
+
+__all__ = ["Link", "Machine", "MachineConfig", "machine_model"]
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """[machine]: the machine model of `hpcpipe plan --search` (units: us, GB/s, GiB, TFLOP/s)."""
+
+    ranks_per_node: int = option(
+        0, "ranks per node; 0 = topology.ranks_per_node, else 8", minimum=0, maximum=1 << 20
+    )
+    memory_gib: float = option(80.0, "device memory per rank, GiB", minimum=0.0)
+    memory_reserve: float = option(
+        0.1,
+        "share of memory_gib a layout may not plan for (allocator slack, workspaces, buffers)",
+        minimum=0.0,
+        maximum=0.9,
+    )
+    compute_tflops: float = option(
+        200.0, "achieved compute per rank on the model's matmuls, TFLOP/s", minimum=0.0
+    )
+    intra_latency_us: float = option(3.0, "point-to-point latency inside a node, us", minimum=0.0)
+    intra_bandwidth_gbs: float = option(
+        150.0, "point-to-point bandwidth inside a node, GB/s per rank and direction", minimum=0.0
+    )
+    inter_latency_us: float = option(8.0, "point-to-point latency across nodes, us", minimum=0.0)
+    inter_bandwidth_gbs: float = option(
+        25.0, "point-to-point bandwidth across nodes, GB/s per rank and direction", minimum=0.0
+    )
+    alltoall_intra_gbs: float | None = option(
+        None, "all-to-all bandwidth per rank inside a node, GB/s; unset = intra_bandwidth_gbs"
+    )
+    alltoall_inter_gbs: float | None = option(
+        None, "all-to-all bandwidth per rank across nodes, GB/s; unset = inter_bandwidth_gbs"
+    )
+    calibration_intra: tuple[str, ...] = option(
+        (), "hpcpipe bench p2p/alltoall --json results measured inside one node"
+    )
+    calibration_inter: tuple[str, ...] = option(
+        (), "the same, measured with the ranks on two nodes"
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("memory_gib", "compute_tflops", "intra_bandwidth_gbs", "inter_bandwidth_gbs"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key}: = {getattr(self, key)} must be > 0")
+        for key in ("alltoall_intra_gbs", "alltoall_inter_gbs"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ValueError(f"{key}: = {value} must be > 0 (or unset)")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of connection: a message of n bytes takes latency + n / bandwidth seconds."""
+
+    latency: float
+    bandwidth: float
+    alltoall_bandwidth: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth if nbytes else 0.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The resolved model in SI units (seconds, bytes/s, bytes, FLOP/s)."""
+
+    ranks_per_node: int
+    memory_bytes: float
+    flops: float
+    intra: Link
+    inter: Link
+
+    def link(self, crosses_nodes: bool) -> Link:
+        return self.inter if crosses_nodes else self.intra
+
+
+def _fit_p2p(rows: list[dict[str, Any]], path: str, source: str, key: str) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of a ping-pong curve: the smallest message's time, and the
+    slope between the two largest (what a large activation sees)."""
+    column = "mailbox_us" if "mailbox_us" in rows[0] else "raw_us"
+    pts = sorted((float(r["bytes"]), float(r[column]) * 1e-6) for r in rows)
+    if len(pts) < 2 or pts[-1][0] <= pts[-2][0] or pts[-1][1] <= pts[-2][1]:
+        raise ConfigError(source, key, f"{path}: a p2p result needs two or more growing sizes")
+    latency = pts[0][1]
+    bandwidth = (pts[-1][0] - pts[-2][0]) / (pts[-1][1] - pts[-2][1])
+    return latency, bandwidth
+
+
+def _calibrate(paths: tuple[str, ...], source: str, key: str) -> dict[str, float]:
+    """The link figures the named bench results measure."""
+    found: dict[str, float] = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(source, key, f"{path} cannot be read: {exc.strerror}") from None
+        except ValueError as exc:
+            raise ConfigError(source, key, f"{path} is not JSON: {exc}") from None
+        bench = data.get("benchmark") if isinstance(data, dict) else None
+        rows = data.get("rows") if isinstance(data, dict) else None
+        if bench not in ("p2p", "alltoall") or not rows:
+            raise ConfigError(
+                source,
+                key,
+                f"{path} is not a result of `hpcpipe bench p2p` or `hpcpipe bench alltoall "
+                "--json` (benchmark = {bench!r})",
+            )
+        try:
+            if bench == "p2p":
+                found["latency"], found["bandwidth"] = _fit_p2p(rows, path, source, key)
+            else:
+                big = max(rows, key=lambda r: float(r["bytes"]))
+                column = "flat_us" if "flat_us" in big else "raw_us"
+                found["alltoall"] = float(big["bytes"]) / (float(big[column]) * 1e-6)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                source, key, f"{path}: its rows lack the column {exc} (rerun the benchmark)"
+            ) from None
+    return found
+
+
+def machine_model(cfg: MachineConfig, topology_ranks_per_node: int, source: str) -> Machine:
+    """The [machine] section resolved, calibration files applied (ConfigError naming the key)."""
+    links = []
+    for where in ("intra", "inter"):
+        latency = getattr(cfg, f"{where}_latency_us") * 1e-6
+        bandwidth = getattr(cfg, f"{where}_bandwidth_gbs") * 1e9
+        a2a = getattr(cfg, f"alltoall_{where}_gbs")
+        alltoall = a2a * 1e9 if a2a is not None else bandwidth
+        key = f"machine.calibration_{where}"
+        measured = _calibrate(getattr(cfg, f"calibration_{where}"), source, key)
+        latency = measured.get("latency", latency)
+        bandwidth = measured.get("bandwidth", bandwidth)
+        alltoall = measured.get("alltoall", alltoall if a2a is not None else bandwidth)
+        links.append(Link(latency, bandwidth, alltoall))
+    rpn = cfg.ranks_per_node or topology_ranks_per_node or 8
+    usable = cfg.memory_gib * (1.0 - cfg.memory_reserve) * 2**30
+    return Machine(rpn, usable, cfg.compute_tflops * 1e12, links[0], links[1])

@@ -1,0 +1,157 @@
+"""`hpcpipe plan --search`: the deck's model and machine in, the ranked layouts out (a table,
+why the others were left out, and the chosen deck)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+from pathlib import Path
+
+from hpcpipe.config import Config, ConfigError, dump_toml
+from hpcpipe.layout.cost import Layout, Workload
+from hpcpipe.layout.machine import MachineConfig, machine_model
+from hpcpipe.layout.search import SearchResult, search_layouts
+from hpcpipe.layout.shapes import unit_shapes
+
+__all__ = ["chosen_config", "layout_search_report", "run_search"]
+
+
+def _workload(config: Config) -> tuple[Workload, int]:
+    model, moe = config.model, config.sections.get("moe")
+    if moe is not None and moe.enabled:
+        from hpcpipe.moe.config import check_moe
+
+        check_moe(moe, ep=1, layers=model.layers, kind=model.kind, source=config.source)
+    size = 8 if config.device.dtype == "float64" else 4
+    optim = config.optim
+    states = 2 if optim.kind == "adamw" else (1 if optim.momentum > 0 else 0)
+    work = Workload(
+        units=tuple(unit_shapes(model, moe, size)),
+        global_batch=config.data.global_batch,
+        seq_len=model.seq_len,
+        d_model=model.d_model,
+        dtype_bytes=size,
+        optimizer_states=states,
+        top_k=moe.top_k if moe is not None and moe.enabled else 0,
+    )
+    return work, (moe.experts if moe is not None and moe.enabled else 0)
+
+
+def run_search(
+    config: Config, world: int, *, ranks_per_node: int | None = None, top: int = 10
+) -> SearchResult:
+    """Rank the deck's layouts on `world` ranks (a deck without [model] is bad input)."""
+    if config.run.workload != "train":
+        raise ConfigError(
+            config.source, "run.workload", f"= {config.run.workload!r}: --search lays out training"
+        )
+    from hpcpipe.model.models import build_model, partition
+
+    work, experts = _workload(config)
+    mcfg = config.sections.get("machine") or MachineConfig()
+    rpn = ranks_per_node or config.topology.ranks_per_node
+    machine = machine_model(mcfg, rpn, config.source)
+    moe = config.sections.get("moe")
+    units = build_model(config.model, moe if moe is not None and moe.enabled else None)
+    by = config.train.partition
+
+    def split(n_stages: int, placement: tuple[tuple[int, ...], ...]) -> list[range]:
+        return partition(units, n_stages, by=by, stages_of_rank=placement)
+
+    return search_layouts(work, machine, world, experts=experts, top=top, partition=split)
+
+
+def chosen_config(config: Config, result: SearchResult, world: int) -> Config:
+    """The deck with the best layout written into [topology] and [pipeline]."""
+    best = result.ranked[0][1].layout
+    topo = dataclasses.replace(
+        config.topology, pp=best.pp, dp=best.dp, ep=best.ep, order=",".join(best.order)
+    )
+    pipe = dataclasses.replace(
+        config.pipeline,
+        schedule=best.schedule,
+        microbatches=best.m,
+        virtual_stages=best.v,
+        memory_budget=None,
+        schedule_csv=None,
+    )
+    sections = dict(config.sections)
+    sections["topology"], sections["pipeline"] = topo, pipe
+    return Config(
+        source=f"{config.source} (hpcpipe plan --search, world {world})",
+        sections=types.MappingProxyType(sections),
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def layout_search_report(
+    config: Config,
+    world: int,
+    *,
+    ranks_per_node: int | None = None,
+    top: int = 10,
+    write_deck: str | None = None,
+) -> tuple[str, bool]:
+    """The search's table, and whether any layout fits; with `write_deck`, the chosen deck
+    is written there."""
+    t0 = time.process_time()
+    result = run_search(config, world, ranks_per_node=ranks_per_node, top=top)
+    spent = time.process_time() - t0
+    mcfg = config.sections.get("machine") or MachineConfig()
+    machine = machine_model(mcfg, ranks_per_node or config.topology.ranks_per_node, config.source)
+    rpn = min(machine.ranks_per_node, world)
+    model = config.model
+    lines = [
+        f"layout search: world {world} ({-(-world // rpn)} node(s) of {rpn} ranks), "
+        f"{model.kind} {model.layers} layers d_model {model.d_model}, global batch "
+        f"{config.data.global_batch} x {model.seq_len} tokens",
+        f"machine: {machine.flops / 1e12:g} TFLOP/s, {machine.memory_bytes / 2**30:.1f} GiB "
+        f"usable per rank; inside a node {machine.intra.latency * 1e6:.3g} us, "
+        f"{machine.intra.bandwidth / 1e9:.3g} GB/s; across nodes "
+        f"{machine.inter.latency * 1e6:.3g} us, {machine.inter.bandwidth / 1e9:.3g} GB/s",
+        f"{result.candidates} candidates, {result.fit} fit, {result.simulated} simulated (the "
+        f"rest ruled out by their work bound), {spent:.1f} s CPU",
+    ]
+    if result.rejected:
+        lines.append("left out:")
+        for reason, entry in sorted(result.rejected.items()):
+            lines.append(f"  {reason:<9}{entry.count:>7}  e.g. {entry.example}")
+    if not result.ranked:
+        lines.append("no layout fits: see what was left out above")
+        return "\n".join(lines), False
+    head = (
+        f"{'#':>3} {'pp':>4} {'dp':>5} {'ep':>3} {'order':<9} {'schedule':<16} {'m':>4} "
+        f"{'step ms':>9} {'compute':>8} {'a2a':>7} {'idle':>7} {'reduce':>7} {'GiB':>6}  "
+        "across nodes"
+    )
+    lines += ["", "predicted step and its parts on the rank that finishes last (ms)", head]
+    for i, (pred, cost) in enumerate(result.ranked, 1):
+        lay = cost.layout
+        sched = lay.schedule + (f" v={lay.v}" if lay.v else "")
+        crossing = [d for d, c in cost.crosses.items() if c and _degree(lay, d) > 1]
+        lines.append(
+            f"{i:>3} {lay.pp:>4} {lay.dp:>5} {lay.ep:>3} {','.join(lay.order):<9} {sched:<16} "
+            f"{lay.m:>4} {_ms(pred.step):>9} {_ms(pred.compute):>8} {_ms(pred.alltoall):>7} "
+            f"{_ms(pred.idle):>7} {_ms(pred.reduce_exposed):>7} {pred.memory / 2**30:>6.1f}  "
+            + (",".join(crossing) or "-")
+        )
+    best = result.ranked[0][1].layout
+    lines.append("")
+    lines.append(
+        f"chosen: {best.label}; run it with --set topology.pp={best.pp} "
+        f"--set topology.ep={best.ep} --set topology.order={','.join(best.order)} "
+        f"--set pipeline.schedule={best.schedule} --set pipeline.microbatches={best.m}"
+        + (f" --set pipeline.virtual_stages={best.v}" if best.v else "")
+    )
+    if write_deck:
+        Path(write_deck).write_text(dump_toml(chosen_config(config, result, world)))
+        lines.append(f"wrote {write_deck}")
+    return "\n".join(lines), True
+
+
+def _degree(layout: Layout, dim: str) -> int:
+    return {"pp": layout.pp, "dp": layout.dp, "ep": layout.ep, "edp": layout.dp // layout.ep}[dim]

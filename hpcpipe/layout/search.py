@@ -1,0 +1,201 @@
+"""Choose the layout: every pp x dp x ep x order x schedule x microbatches that fits, ranked.
+
+Candidates that cannot run are sorted out first, each with its reason (batch split, too many
+stages, a schedule that cannot be built, memory), counted per class. The rest are ranked by
+predicted step (`cost.predict`), found by branch and bound: a candidate's work on its busiest
+rank (compute plus all-to-all, no waiting) is a lower bound on its step, so candidates are
+simulated in order of that bound and the search stops once the next bound exceeds the N-th
+best step found. The answer is the same as simulating every candidate.
+
+Orders that put the same dims across nodes give the same costs in this model, so only the first
+of them (in DIMS permutation order) is kept. Ties are broken by memory, then by the layout's
+fields, so every rank and every run picks the same layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpcpipe.layout.cost import (
+    Layout,
+    LayoutCost,
+    Prediction,
+    Workload,
+    activation_per_token,
+    crossings,
+    layout_cost,
+    peak_live,
+    predict,
+)
+from hpcpipe.layout.machine import Machine
+from hpcpipe.schedules import Schedule
+from hpcpipe.schedules.registry import SCHEDULE_NAMES, build_schedule, stages_per_rank
+from hpcpipe.topology import DIMS
+
+__all__ = ["Rejected", "SearchResult", "divisors", "search_layouts"]
+
+MICROBATCH_FACTORS = (1, 2, 4, 8)
+"""m is tried at these multiples of pp (where the replica's batch divides into them)."""
+
+VIRTUAL_STAGES = (2, 4)
+"""interleaved-1f1b is tried with these stages per rank."""
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+@dataclass
+class Rejected:
+    """Candidates left out for one reason: how many, and the first one with its detail."""
+
+    count: int = 0
+    example: str = ""
+
+
+@dataclass
+class SearchResult:
+    ranked: list[tuple[Prediction, LayoutCost]]
+    rejected: dict[str, Rejected] = field(default_factory=dict)
+    candidates: int = 0
+    fit: int = 0
+    simulated: int = 0
+
+    def reject(self, reason: str, example: str) -> None:
+        entry = self.rejected.setdefault(reason, Rejected())
+        entry.count += 1
+        if not entry.example:
+            entry.example = example
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule(name: str, pp: int, m: int, v: int | None) -> Schedule | str:
+    """The schedule, or why it cannot be built (schedules depend on no deck value)."""
+    try:
+        return build_schedule(name, pp, m, v)
+    except ValueError as exc:
+        return str(exc)
+
+
+def _orders(pp: int, dp: int, ep: int, world: int, rpn: int) -> dict[tuple[str, ...], dict]:
+    """One order per distinct set of node-crossing groups, with those crossings."""
+    seen: dict[tuple[bool, ...], tuple[tuple[str, ...], dict]] = {}
+    for order in itertools.permutations(DIMS):
+        crosses = crossings(world, rpn, Layout(pp, dp, ep, order, "", None, 1))
+        seen.setdefault(tuple(crosses.values()), (order, crosses))
+    return dict(seen.values())
+
+
+def _microbatches(rows: int, pp: int) -> list[int]:
+    ms = [k * pp for k in MICROBATCH_FACTORS if rows % (k * pp) == 0]
+    return ms or [max(d for d in divisors(rows) if d <= pp)]
+
+
+def search_layouts(
+    work: Workload,
+    machine: Machine,
+    world: int,
+    *,
+    experts: int = 0,
+    schedules: tuple[str, ...] = SCHEDULE_NAMES,
+    top: int = 10,
+    partition: object = None,
+) -> SearchResult:
+    """The `top` best layouts of `world` ranks (and why the others were left out).
+
+    `partition(n_stages, stages_of_rank) -> tuple[range, ...]` splits the units (the deck's
+    rule, so the search predicts what the run will do)."""
+    result = SearchResult(ranked=[])
+    rpn = min(machine.ranks_per_node, world)
+    shared = _Shared(work, machine, world, partition)
+    feasible: list[tuple[float, Layout, LayoutCost]] = []
+    for pp in divisors(world):
+        dp = world // pp
+        if work.global_batch % dp:
+            result.reject("batch", f"pp={pp}: dp={dp} does not divide the global batch (every m)")
+            continue
+        rows = work.global_batch // dp
+        eps = [e for e in divisors(dp) if experts % e == 0] if experts else [1]
+        for ep in eps:
+            for order, crosses in _orders(pp, dp, ep, world, rpn).items():
+                for m, name in itertools.product(_microbatches(rows, pp), schedules):
+                    vs = VIRTUAL_STAGES if name == "interleaved-1f1b" else (None,)
+                    for v in vs:
+                        layout = Layout(pp, dp, ep, order, name, v, m)
+                        result.candidates += 1
+                        cost = shared.evaluate(layout, crosses, result)
+                        if cost is not None:
+                            bound = float(cost.busy.max())
+                            feasible.append((bound, layout, cost))
+    result.fit = len(feasible)
+    feasible.sort(key=lambda t: (t[0], t[1]))
+    best: list[tuple[float, float, Layout, Prediction, LayoutCost]] = []  # max-heap by -step
+    for bound, layout, cost in feasible:
+        if len(best) >= top and bound > -best[0][0]:
+            break
+        pred = predict(cost)
+        result.simulated += 1
+        item = (-pred.step, -pred.memory, layout, pred, cost)
+        if len(best) < top:
+            heapq.heappush(best, item)
+        elif (pred.step, pred.memory, layout) < (-best[0][0], -best[0][1], best[0][2]):
+            heapq.heapreplace(best, item)
+    ordered = sorted(best, key=lambda t: (-t[0], -t[1], t[2]))
+    result.ranked = [(pred, cost) for _, _, _, pred, cost in ordered]
+    return result
+
+
+class _Shared:
+    """What many candidates share, computed once: partitions and per-token peaks."""
+
+    def __init__(self, work: Workload, machine: Machine, world: int, partition: object):
+        self.work, self.machine, self.world, self.partition = work, machine, world, partition
+        self.stage_units: dict[tuple, tuple[range, ...]] = {}
+        self.peaks: dict[tuple, np.ndarray] = {}
+
+    def evaluate(self, layout: Layout, crosses: dict, result: SearchResult) -> LayoutCost | None:
+        """The layout's costs, or None (the reason recorded) when it cannot run or fit."""
+        n_units = len(self.work.units)
+        n_stages = layout.pp * stages_per_rank(layout.schedule, layout.v)
+        if n_stages > n_units:
+            result.reject("stages", f"{layout.label}: {n_stages} stages > {n_units} model units")
+            return None
+        sched = _schedule(layout.schedule, layout.pp, layout.m, layout.v)
+        if isinstance(sched, str):
+            result.reject("schedule", f"{layout.label}: {sched}")
+            return None
+        placement = (n_stages, sched.stages_of_rank)
+        if placement not in self.stage_units:
+            self.stage_units[placement] = tuple(self.partition(*placement))  # type: ignore[operator]
+        stage_units = self.stage_units[placement]
+        key = (layout.schedule, layout.pp, layout.m, layout.v)
+        if key not in self.peaks:
+            self.peaks[key] = peak_live(sched, activation_per_token(self.work, stage_units))
+        cost = layout_cost(
+            self.work,
+            self.machine,
+            self.world,
+            layout,
+            sched,
+            stage_units,
+            crosses=crosses,
+            peak_per_token=self.peaks[key],
+        )
+        need = float(cost.memory.max())
+        if need > self.machine.memory_bytes:
+            rank = int(cost.memory.argmax())
+            result.reject(
+                "memory",
+                f"{layout.label}: rank {rank} needs {need / 2**30:.1f} GiB (weights, gradients "
+                f"and optimizer {cost.static_bytes[rank] / 2**30:.1f}, activations "
+                f"{cost.peak_activation[rank] / 2**30:.1f}) > "
+                f"{self.machine.memory_bytes / 2**30:.1f}",
+            )
+            return None
+        return cost

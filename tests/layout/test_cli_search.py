@@ -1,0 +1,68 @@
+"""`hpcpipe plan --search` as a user runs it: the table, the chosen deck, bad input."""
+
+from __future__ import annotations
+
+from conftest import INPUTS
+
+from hpcpipe.config import load_config
+
+DECK = str(INPUTS / "layout_moe_gpt32.toml")
+
+
+def test_search_at_4096_ranks_explains_its_choice(cli):
+    r = cli(["plan", DECK, "--search", "--world", "4096", "--top", "3"])
+    assert r.returncode == 0, r.output
+    out = r.stdout
+    assert "layout search: world 4096 (512 node(s) of 8 ranks)" in out
+    assert "left out:" in out and "memory" in out and "needs" in out
+    rows = [line for line in out.splitlines() if line[:3].strip() in ("1", "2", "3")]
+    assert len(rows) == 3
+    assert "chosen: pp" in out and "--set pipeline.schedule=" in out
+
+
+def test_the_written_deck_runs_the_chosen_layout(cli, tmp_path):
+    chosen = tmp_path / "chosen.toml"
+    r = cli(["plan", DECK, "--search", "--world", "512", "--write-deck", str(chosen)])
+    assert r.returncode == 0, r.output
+    line = next(x for x in r.stdout.splitlines() if x.startswith("chosen: "))
+    cfg = load_config(chosen)
+    topo, pipe = cfg.topology, cfg.pipeline
+    label = (
+        f"pp{topo.pp} dp{topo.dp} ep{topo.ep} [{topo.order}] {pipe.schedule}"
+        + (f"(v={pipe.virtual_stages})" if pipe.virtual_stages else "")
+        + f" m={pipe.microbatches};"
+    )
+    assert line.startswith(f"chosen: {label}")
+    again = cli(["plan", str(chosen), "--world", "512"])
+    assert again.returncode == 0, again.output
+    assert f"world 512 = pp {topo.pp} x dp {topo.dp}" in again.stdout
+
+
+def test_search_needs_a_world(cli):
+    r = cli(["plan", DECK, "--search"])
+    assert r.returncode == 2
+    assert "--world" in r.stderr
+
+
+def test_write_deck_needs_search(cli, tmp_path):
+    r = cli(["plan", DECK, "--world", "8", "--write-deck", str(tmp_path / "x.toml")])
+    assert r.returncode == 2
+    assert "--write-deck" in r.stderr and "--search" in r.stderr
+
+
+def test_bad_machine_key_exits_2_naming_it(cli):
+    r = cli(["plan", DECK, "--search", "--world", "64", "--set", "machine.memory_gb=80"])
+    assert r.returncode == 2
+    assert "machine.memory_gb" in r.stderr and "memory_gib" in r.stderr
+
+
+def test_a_sweep_deck_is_not_searched(cli):
+    r = cli(["plan", str(INPUTS / "sweep_tiny.toml"), "--search", "--world", "4"])
+    assert r.returncode == 2
+    assert "run.workload" in r.stderr
+
+
+def test_nothing_fits_says_so(cli):
+    r = cli(["plan", DECK, "--search", "--world", "8", "--set", "machine.memory_gib=1"])
+    assert r.returncode == 1, r.output
+    assert "no layout fits" in r.stdout and "memory" in r.stdout

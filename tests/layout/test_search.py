@@ -1,0 +1,144 @@
+"""The layout search against brute force on small worlds, and its deck-level behaviour."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from test_cost import _work
+
+from hpcpipe.layout.cost import Layout, Workload, layout_cost, predict
+from hpcpipe.layout.machine import Link, Machine
+from hpcpipe.layout.search import MICROBATCH_FACTORS, VIRTUAL_STAGES, divisors, search_layouts
+from hpcpipe.layout.shapes import UnitShape
+from hpcpipe.model.models import balance_placement
+from hpcpipe.schedules import build_schedule
+from hpcpipe.schedules.registry import SCHEDULE_NAMES, stages_per_rank
+from hpcpipe.topology import DIMS
+
+INTRA = Link(latency=2e-6, bandwidth=50e9, alltoall_bandwidth=40e9)
+INTER = Link(latency=10e-6, bandwidth=5e9, alltoall_bandwidth=3e9)
+
+
+def _machine(memory: float = 1e12, rpn: int = 4) -> Machine:
+    return Machine(ranks_per_node=rpn, memory_bytes=memory, flops=1e12, intra=INTRA, inter=INTER)
+
+
+def _units(n: int = 8, moe_every: int = 2) -> list[UnitShape]:
+    out = [UnitShape("Embedding", 20_000, 0, 100, 8, False)]
+    for i in range(n):
+        moe = moe_every and (i + 1) % moe_every == 0
+        out.append(UnitShape("Block", 300_000, 2_000_000 if moe else 0, 600_000, 20_000, bool(moe)))
+    out.append(UnitShape("LossHead", 20_000, 0, 50_000, 3_000, False))
+    return out
+
+
+def _split(units):
+    weights = [u.flops_per_token for u in units]
+
+    def split(n_stages, placement):
+        return balance_placement(weights, n_stages, placement)
+
+    return split
+
+
+def _brute_force(work, machine, world, experts):
+    """Every candidate simulated: the ranking the search must reproduce. Orders that cross
+    nodes with the same groups cost the same; one of each is kept, as the search does."""
+    split = _split(work.units)
+    found = {}
+    for pp in divisors(world):
+        dp = world // pp
+        if work.global_batch % dp:
+            continue
+        rows = work.global_batch // dp
+        ms = [k * pp for k in MICROBATCH_FACTORS if rows % (k * pp) == 0] or [
+            max(d for d in divisors(rows) if d <= pp)
+        ]
+        eps = [e for e in divisors(dp) if experts % e == 0] if experts else [1]
+        for ep, order, m, name in itertools.product(eps, itertools.permutations(DIMS), ms,
+                                                    SCHEDULE_NAMES):  # fmt: skip
+            for v in VIRTUAL_STAGES if name == "interleaved-1f1b" else (None,):
+                n_stages = pp * stages_per_rank(name, v)
+                if n_stages > len(work.units):
+                    continue
+                try:
+                    sched = build_schedule(name, pp, m, v)
+                except ValueError:
+                    continue
+                layout = Layout(pp, dp, ep, order, name, v, m)
+                cost = layout_cost(
+                    work, machine, world, layout, sched,
+                    tuple(split(n_stages, sched.stages_of_rank)),
+                )  # fmt: skip
+                if cost.memory.max() <= machine.memory_bytes:
+                    key = (pp, ep, name, v, m, tuple(cost.crosses.values()))
+                    found.setdefault(key, (predict(cost).step, layout))
+    return sorted(found.values())
+
+
+@pytest.mark.parametrize("world, experts, memory", [(8, 4, 1e12), (8, 0, 1e12), (16, 4, 6e7)])
+def test_search_finds_what_brute_force_finds(world, experts, memory):
+    work = _work(_units(moe_every=2 if experts else 0), batch=64, top_k=2 if experts else 0)
+    machine = _machine(memory)
+    top = 8
+    result = search_layouts(
+        work, machine, world, experts=experts, top=top, partition=_split(work.units)
+    )
+    brute = _brute_force(work, machine, world, experts)
+    assert len(result.ranked) == min(top, len(brute))
+    assert [p.step for p, _ in result.ranked] == pytest.approx([s for s, _ in brute[:top]])
+    best_step, best = brute[0]
+    chosen = result.ranked[0][1].layout
+    assert (chosen.pp, chosen.dp, chosen.ep) == (best.pp, best.dp, best.ep) or (
+        result.ranked[0][0].step == pytest.approx(best_step)
+    )
+    assert result.simulated <= result.candidates
+
+
+def test_memory_rejections_say_which_rank_needs_what():
+    work = _work(_units(), batch=64, top_k=2)
+    result = search_layouts(work, _machine(6e7), 16, experts=4, top=3, partition=_split(work.units))
+    memory = result.rejected["memory"]
+    assert memory.count > 0
+    assert "needs" in memory.example and "GiB" in memory.example and "rank" in memory.example
+    assert all(c.memory.max() <= 6e7 for _, c in result.ranked)
+
+
+def test_nothing_fits_gives_an_empty_ranking_with_the_reasons():
+    work = _work(_units(), batch=64, top_k=2)
+    result = search_layouts(work, _machine(1e3), 8, experts=4, top=3, partition=_split(work.units))
+    assert result.ranked == []
+    assert result.rejected["memory"].count > 0
+
+
+def test_search_is_deterministic():
+    work = _work(_units(), batch=64, top_k=2)
+    runs = [
+        [c.layout for _, c in search_layouts(
+            work, _machine(), 16, experts=4, top=5, partition=_split(work.units)
+        ).ranked]
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0] == runs[1]
+
+
+def test_the_order_decides_which_traffic_crosses_nodes():
+    """pp inside a node: its messages are fast and the gradient reduction crosses; the other
+    way round the pipeline waits on slow hops and the reduction is quick."""
+    units = [UnitShape("Block", 1_000_000, 0, 10_000_000, 1000, False) for _ in range(8)]
+    work = Workload(tuple(units), 64, 8, 4096, 4, 2)  # 128 KiB of activations per row
+    machine = _machine()
+    sched = build_schedule("1f1b", 2, 4)
+    split = tuple(_split(work.units)(2, sched.stages_of_rank))
+    got = {}
+    for order in (("pp", "dp", "ep"), ("dp", "ep", "pp")):
+        layout = Layout(2, 4, 1, order, "1f1b", None, 4)
+        cost = layout_cost(work, machine, 8, layout, sched, split)
+        got[order[0]] = (cost, predict(cost))
+    (inside, p_inside), (across, p_across) = got["pp"], got["dp"]
+    assert not inside.crosses["pp"] and inside.crosses["dp"]
+    assert across.crosses["pp"] and not across.crosses["dp"]
+    assert p_across.makespan > p_inside.makespan  # slow hops
+    assert (inside.reduce > across.reduce).all()  # slow reduction
+    assert p_inside.compute == p_across.compute
