@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -46,6 +47,7 @@ def _brute_force(work, machine, world, experts):
     """Every candidate simulated: the ranking the search must reproduce. Orders that cross
     nodes with the same groups cost the same; one of each is kept, as the search does."""
     split = _split(work.units)
+    build = functools.cache(build_schedule)
     found = {}
     for pp in divisors(world):
         dp = world // pp
@@ -63,7 +65,7 @@ def _brute_force(work, machine, world, experts):
                 if n_stages > len(work.units):
                     continue
                 try:
-                    sched = build_schedule(name, pp, m, v)
+                    sched = build(name, pp, m, v)
                 except ValueError:
                     continue
                 layout = Layout(pp, dp, ep, order, name, v, m)
@@ -79,13 +81,16 @@ def _brute_force(work, machine, world, experts):
 
 @pytest.mark.parametrize("world, experts, memory", [(8, 4, 1e12), (8, 0, 1e12), (16, 4, 6e7)])
 def test_search_finds_what_brute_force_finds(world, experts, memory):
-    work = _work(_units(moe_every=2 if experts else 0), batch=64, top_k=2 if experts else 0)
+    work = _work(_units(moe_every=2 if experts else 0), batch=32, top_k=2 if experts else 0)
     machine = _machine(memory)
     top = 8
     result = search_layouts(
         work, machine, world, experts=experts, top=top, partition=_split(work.units)
     )
     brute = _brute_force(work, machine, world, experts)
+    assert len(brute) > top  # a ranking, not a trivial one
+    if memory < 1e9:
+        assert result.rejected["memory"].count > 0  # and the budget binds
     assert len(result.ranked) == min(top, len(brute))
     assert [p.step for p, _ in result.ranked] == pytest.approx([s for s, _ in brute[:top]])
     best_step, best = brute[0]
