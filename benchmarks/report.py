@@ -125,6 +125,7 @@ SUMMARY = (
     "sweep_grind",
     "plan_scale",
     "layout_search",
+    "layout_ranking",
     "trace_overhead",
 )
 """Results whose targets the summary lists, in the page's order."""

@@ -33,6 +33,7 @@ FIGURES = (
     "schedule_search",
     "schedule_exact",
     "layout_search",
+    "layout_ranking",
 )
 
 

@@ -156,6 +156,41 @@ def _pipeline(p: argparse.ArgumentParser) -> None:
 
 
 @benchmark(
+    "layout",
+    "every layout of this world that fits a deck, run on emulated nodes with its modelled "
+    "costs: measured step vs the layout search's prediction, and their rank correlation",
+    "hpcpipe.bench.layout:run",
+)
+def _layout(p: argparse.ArgumentParser) -> None:
+    default = "inputs/layout_tiny.toml"
+    p.add_argument("deck", nargs="?", default=default, help=f"input deck (default {default})")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a deck key (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=4,
+        help="ranks per virtual node (messages between them use the [machine] inter-node link)",
+    )
+    p.add_argument("--steps", type=int, default=3, help="timed steps per layout (default 3)")
+    p.add_argument(
+        "--target-ms",
+        type=float,
+        default=400.0,
+        help="the predicted best step in ms: every modelled cost is scaled by the same factor "
+        "(default 400: sleep wake-ups small beside the actions on an oversubscribed node)",
+    )
+    p.add_argument(
+        "--poll-us",
+        type=float,
+        default=20.0,
+        help="with more ranks than cores, a waiting rank polls Test and sleeps this long",
+    )
+
+
+@benchmark(
     "sweep",
     "sweep grind time, kernel, fix-up and KBA efficiency on Kripke's problem, vs the KBA "
     "model (and Kripke itself with --kripke)",

@@ -124,7 +124,7 @@ def layout_search_report(
         lines.append("no layout fits: see what was left out above")
         return "\n".join(lines), False
     head = (
-        f"{'#':>3} {'pp':>4} {'dp':>5} {'ep':>3} {'order':<9} {'schedule':<16} {'m':>4} "
+        f"{'#':>3} {'pp':>4} {'dp':>5} {'ep':>3} {'order':<9} {'schedule':<20} {'m':>4} "
         f"{'step ms':>9} {'compute':>8} {'a2a':>7} {'idle':>7} {'reduce':>7} {'GiB':>6}  "
         "across nodes"
     )
@@ -134,9 +134,9 @@ def layout_search_report(
         sched = lay.schedule + (f" v={lay.v}" if lay.v else "")
         crossing = [d for d, c in cost.crosses.items() if c and _degree(lay, d) > 1]
         lines.append(
-            f"{i:>3} {lay.pp:>4} {lay.dp:>5} {lay.ep:>3} {','.join(lay.order):<9} {sched:<16} "
+            f"{i:>3} {lay.pp:>4} {lay.dp:>5} {lay.ep:>3} {','.join(lay.order):<9} {sched:<20} "
             f"{lay.m:>4} {_ms(pred.step):>9} {_ms(pred.compute):>8} {_ms(pred.alltoall):>7} "
-            f"{_ms(pred.idle):>7} {_ms(pred.reduce_exposed):>7} {pred.memory / 2**30:>6.1f}  "
+            f"{_ms(pred.idle):>7} {_ms(pred.reduce_exposed):>7} {pred.memory / 2**30:>6.3g}  "
             + (",".join(crossing) or "-")
         )
     best = result.ranked[0][1].layout

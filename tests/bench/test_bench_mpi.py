@@ -232,3 +232,23 @@ def test_memory_matches_the_activation_model(mpirun, tmp_path):
         assert row["act_ratio"] == pytest.approx(1.0, abs=0.10), row
         assert row["act_mb"] == row["act_model_mb"]  # the runtime ran the plan's order
     assert data["targets"][0]["met"] is True
+
+
+def test_layout_ranking_on_emulated_nodes(mpirun, tmp_path):
+    """Every layout of 8 ranks that fits runs once on 2 virtual nodes (10 ms steps)."""
+    from hpcpipe.config import load_config
+    from hpcpipe.layout.report import run_search
+
+    deck = str(INPUTS / "layout_tiny.toml")
+    args = ["layout", deck, "--steps", "1", "--target-ms", "10"]
+    data = _bench(mpirun, tmp_path, 8, args, timeout=300)
+    expect = run_search(load_config(deck), 8, ranks_per_node=4, top=1 << 30).ranked
+    rows = data["rows"]
+    assert [r["layout"] for r in rows] == [c.layout.label for _, c in expect]
+    assert rows[0]["predicted_ms"] == pytest.approx(10.0)
+    _positive(rows, "predicted_ms", "measured_ms", "ratio")
+    n = len(rows)
+    assert sorted(r["pred_rank"] for r in rows) == list(range(1, n + 1))
+    assert sorted(r["meas_rank"] for r in rows) == list(range(1, n + 1))
+    assert -1.0 <= data["summary"]["spearman"] <= 1.0
+    assert all(r["measured_ms"] > 0.5 * r["predicted_ms"] for r in rows)  # sleeps really ran

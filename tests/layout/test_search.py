@@ -147,3 +147,17 @@ def test_the_order_decides_which_traffic_crosses_nodes():
     assert p_across.makespan > p_inside.makespan  # slow hops
     assert (inside.reduce > across.reduce).all()  # slow reduction
     assert p_inside.compute == p_across.compute
+
+
+def test_rank_correlation_by_hand():
+    from hpcpipe.bench.layout import rank_correlation
+
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties share their mean rank: a -> [0, 1.5, 1.5, 3], b -> [0, 2, 1, 3]
+    ra, rb = [-1.5, 0.0, 0.0, 1.5], [-1.5, 0.5, -0.5, 1.5]
+    expect = (
+        sum(x * y for x, y in zip(ra, rb, strict=True))
+        / (sum(x * x for x in ra) * sum(y * y for y in rb)) ** 0.5
+    )
+    assert rank_correlation([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(expect)
