@@ -222,6 +222,14 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--top", type=int, default=10, help="--search: layouts listed (default 10)")
     p.add_argument(
+        "--auto",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--search: also run the schedule search (schedule = 'auto', seconds each) for the "
+        "degrees, order and microbatches of the N best layouts (default 0)",
+    )
+    p.add_argument(
         "--write-deck",
         default=None,
         metavar="FILE",
@@ -301,8 +309,10 @@ def _layout_search(config: Config, args: argparse.Namespace) -> int:
         raise ConfigError("--world", "", "--search needs the world size to lay out (--world N)")
     if args.top < 1:
         raise ConfigError("--top", "", f"= {args.top} must be >= 1")
+    if args.auto < 0:
+        raise ConfigError("--auto", "", f"= {args.auto} must be >= 0")
     text, found = layout_search_report(
-        config, args.world, ranks_per_node=args.ranks_per_node, top=args.top,
+        config, args.world, ranks_per_node=args.ranks_per_node, top=args.top, auto=args.auto,
         write_deck=args.write_deck,
     )  # fmt: skip
     print(text)

@@ -40,7 +40,9 @@ __all__ = [
     "crossings",
     "layout_cost",
     "peak_live",
+    "pipeline_costs",
     "predict",
+    "static_bytes",
 ]
 
 
@@ -184,6 +186,51 @@ def peak_live(schedule: Schedule, activation: np.ndarray) -> np.ndarray:
     return np.maximum(peaks - base, 0.0)
 
 
+def pipeline_costs(
+    work: Workload,
+    machine: Machine,
+    layout: Layout,
+    stage_units: tuple[range, ...],
+    crosses: dict[str, bool],
+) -> tuple[CostModel, np.ndarray, np.ndarray]:
+    """The simulator's costs of the stages `stage_units` (whatever the schedule), with the
+    per-stage compute and all-to-all times of one F."""
+    tokens = work.global_batch // (layout.dp * layout.m) * work.seq_len
+    size = work.dtype_bytes
+    flops = work.flops
+    compute = np.array([tokens * sum(flops[i] for i in r) for r in stage_units]) / machine.flops
+    moe_blocks = np.array([sum(work.units[i].moe for i in r) for r in stage_units], dtype=float)
+    a2a_bytes = tokens * work.top_k * work.d_model * size  # one dispatch (or one combine)
+    a2a = moe_blocks * 2 * alltoall(layout.ep, a2a_bytes, machine.link(crosses["ep"]))
+    hop = machine.link(crosses["pp"])
+    costs = CostModel(
+        t_f=compute + a2a,
+        t_b=compute + a2a,
+        t_w=compute,
+        t_comm=a2a,
+        comm_latency=hop.latency,
+        comm_bandwidth=hop.bandwidth,
+        message_bytes=float(tokens * work.d_model * size),
+        activation=tokens * activation_per_token(work, stage_units),
+    )
+    return costs, compute, a2a
+
+
+def static_bytes(
+    work: Workload,
+    layout: Layout,
+    stage_units: tuple[range, ...],
+    placement: tuple[tuple[int, ...], ...],
+) -> np.ndarray:
+    """Per rank: weights, gradients and optimizer moments of its stages (experts / ep)."""
+    units = work.units
+    per_param = work.dtype_bytes * (2 + work.optimizer_states)  # weight, gradient, moments
+    params = [
+        sum(units[i].params + units[i].expert_params / layout.ep for i in r) for r in stage_units
+    ]
+    return np.array([sum(params[s] for s in stages) * per_param for stages in placement])
+
+
 def layout_cost(
     work: Workload,
     machine: Machine,
@@ -201,15 +248,10 @@ def layout_cost(
     may be passed in by a caller that evaluates many layouts sharing them."""
     if crosses is None:
         crosses = crossings(world, machine.ranks_per_node, layout)
-    rows = work.global_batch // (layout.dp * layout.m)
-    tokens = rows * work.seq_len
+    costs, compute, a2a = pipeline_costs(work, machine, layout, stage_units, crosses)
+    tokens = work.global_batch // (layout.dp * layout.m) * work.seq_len
     size = work.dtype_bytes
     units = work.units
-    flops = work.flops
-    compute = np.array([tokens * sum(flops[i] for i in r) for r in stage_units]) / machine.flops
-    moe_blocks = np.array([sum(units[i].moe for i in r) for r in stage_units], dtype=float)
-    a2a_bytes = tokens * work.top_k * work.d_model * size  # one dispatch (or one combine)
-    a2a = moe_blocks * 2 * alltoall(layout.ep, a2a_bytes, machine.link(crosses["ep"]))
     dense = np.array([sum(units[i].params for i in r) for r in stage_units], dtype=float)
     experts = np.array([sum(units[i].expert_params for i in r) for r in stage_units], dtype=float)
     experts /= layout.ep
@@ -220,25 +262,10 @@ def layout_cost(
             for d, e in zip(dense, experts, strict=True)
         ]
     )
-    per_param = size * (2 + work.optimizer_states)  # weight, gradient, moments
-    static = np.array(
-        [(dense[list(s)] + experts[list(s)]).sum() * per_param for s in schedule.stages_of_rank]
-    )
-    act_per_token = activation_per_token(work, stage_units)
+    static = static_bytes(work, layout, stage_units, schedule.stages_of_rank)
     if peak_per_token is None:
-        peak_per_token = peak_live(schedule, act_per_token)
-    act = tokens * act_per_token
-    hop = machine.link(crosses["pp"])
-    costs = CostModel(
-        t_f=compute + a2a,
-        t_b=compute + a2a,
-        t_w=compute,
-        t_comm=a2a,
-        comm_latency=hop.latency,
-        comm_bandwidth=hop.bandwidth,
-        message_bytes=float(tokens * work.d_model * size),
-        activation=act,
-    )
+        peak_per_token = peak_live(schedule, activation_per_token(work, stage_units))
+    act = np.asarray(costs.activation, dtype=float)
     return LayoutCost(
         layout=layout,
         schedule=schedule,

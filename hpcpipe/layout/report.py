@@ -13,6 +13,7 @@ from hpcpipe.layout.cost import Layout, Workload
 from hpcpipe.layout.machine import MachineConfig, machine_model
 from hpcpipe.layout.search import SearchResult, search_layouts
 from hpcpipe.layout.shapes import unit_shapes
+from hpcpipe.schedules.ir import to_csv
 
 __all__ = ["chosen_config", "layout_search_report", "run_search"]
 
@@ -39,7 +40,12 @@ def _workload(config: Config) -> tuple[Workload, int]:
 
 
 def run_search(
-    config: Config, world: int, *, ranks_per_node: int | None = None, top: int = 10
+    config: Config,
+    world: int,
+    *,
+    ranks_per_node: int | None = None,
+    top: int = 10,
+    auto: int = 0,
 ) -> SearchResult:
     """Rank the deck's layouts on `world` ranks (a deck without [model] is bad input)."""
     if config.run.workload != "train":
@@ -59,22 +65,29 @@ def run_search(
     def split(n_stages: int, placement: tuple[tuple[int, ...], ...]) -> list[range]:
         return partition(units, n_stages, by=by, stages_of_rank=placement)
 
-    return search_layouts(work, machine, world, experts=experts, top=top, partition=split)
+    return search_layouts(
+        work, machine, world, experts=experts, top=top, partition=split, auto=auto
+    )
 
 
-def chosen_config(config: Config, result: SearchResult, world: int) -> Config:
-    """The deck with the best layout written into [topology] and [pipeline]."""
+def chosen_config(
+    config: Config, result: SearchResult, world: int, schedule_csv: str | None = None
+) -> Config:
+    """The deck with the best layout written into [topology] and [pipeline]; a searched
+    schedule (`auto`) is run from `schedule_csv`, which the caller writes."""
     best = result.ranked[0][1].layout
     topo = dataclasses.replace(
         config.topology, pp=best.pp, dp=best.dp, ep=best.ep, order=",".join(best.order)
     )
+    searched = best.schedule == "auto"
     pipe = dataclasses.replace(
         config.pipeline,
-        schedule=best.schedule,
+        schedule="csv" if searched else best.schedule,
         microbatches=best.m,
         virtual_stages=best.v,
         memory_budget=None,
-        schedule_csv=None,
+        schedule_csv=schedule_csv if searched else None,
+        overlap_pairs=False,
     )
     sections = dict(config.sections)
     sections["topology"], sections["pipeline"] = topo, pipe
@@ -94,12 +107,13 @@ def layout_search_report(
     *,
     ranks_per_node: int | None = None,
     top: int = 10,
+    auto: int = 0,
     write_deck: str | None = None,
 ) -> tuple[str, bool]:
     """The search's table, and whether any layout fits; with `write_deck`, the chosen deck
     is written there."""
     t0 = time.process_time()
-    result = run_search(config, world, ranks_per_node=ranks_per_node, top=top)
+    result = run_search(config, world, ranks_per_node=ranks_per_node, top=top, auto=auto)
     spent = time.process_time() - t0
     mcfg = config.sections.get("machine") or MachineConfig()
     machine = machine_model(mcfg, ranks_per_node or config.topology.ranks_per_node, config.source)
@@ -139,17 +153,26 @@ def layout_search_report(
             f"{_ms(pred.idle):>7} {_ms(pred.reduce_exposed):>7} {pred.memory / 2**30:>6.3g}  "
             + (",".join(crossing) or "-")
         )
-    best = result.ranked[0][1].layout
+    best_cost = result.ranked[0][1]
+    best = best_cost.layout
     lines.append("")
+    if best.schedule == "auto":
+        how = "and the searched schedule, which --write-deck writes as CSV beside the deck"
+    else:
+        how = f"--set pipeline.schedule={best.schedule} --set pipeline.microbatches={best.m}" + (
+            f" --set pipeline.virtual_stages={best.v}" if best.v else ""
+        )
     lines.append(
         f"chosen: {best.label}; run it with --set topology.pp={best.pp} "
-        f"--set topology.ep={best.ep} --set topology.order={','.join(best.order)} "
-        f"--set pipeline.schedule={best.schedule} --set pipeline.microbatches={best.m}"
-        + (f" --set pipeline.virtual_stages={best.v}" if best.v else "")
+        f"--set topology.ep={best.ep} --set topology.order={','.join(best.order)} {how}"
     )
     if write_deck:
-        Path(write_deck).write_text(dump_toml(chosen_config(config, result, world)))
-        lines.append(f"wrote {write_deck}")
+        csv = None
+        if best.schedule == "auto":
+            csv = str(Path(write_deck).with_suffix(".schedule.csv"))
+            Path(csv).write_text(to_csv(best_cost.schedule))
+        Path(write_deck).write_text(dump_toml(chosen_config(config, result, world, csv)))
+        lines.append(f"wrote {write_deck}" + (f" and {csv}" if csv else ""))
     return "\n".join(lines), True
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -30,10 +30,12 @@ from hpcpipe.layout.cost import (
     crossings,
     layout_cost,
     peak_live,
+    pipeline_costs,
     predict,
+    static_bytes,
 )
 from hpcpipe.layout.machine import Machine
-from hpcpipe.schedules import Schedule
+from hpcpipe.schedules import CostModel, Schedule
 from hpcpipe.schedules.registry import SCHEDULE_NAMES, build_schedule, stages_per_rank
 from hpcpipe.topology import DIMS
 
@@ -106,11 +108,14 @@ def search_layouts(
     schedules: tuple[str, ...] = SCHEDULE_NAMES,
     top: int = 10,
     partition: object = None,
+    auto: int = 0,
 ) -> SearchResult:
     """The `top` best layouts of `world` ranks (and why the others were left out).
 
     `partition(n_stages, stages_of_rank) -> tuple[range, ...]` splits the units (the deck's
-    rule, so the search predicts what the run will do)."""
+    rule, so the search predicts what the run will do). With `auto` > 0, the schedule search
+    (`schedule = "auto"`) also runs, under each layout's memory, for the degrees, order and m
+    of the `auto` best layouts found, and its schedules join the ranking."""
     result = SearchResult(ranked=[])
     rpn = min(machine.ranks_per_node, world)
     shared = _Shared(work, machine, world, partition)
@@ -148,16 +153,68 @@ def search_layouts(
             heapq.heapreplace(best, item)
     ordered = sorted(best, key=lambda t: (-t[0], -t[1], t[2]))
     result.ranked = [(pred, cost) for _, _, _, pred, cost in ordered]
+    if auto:
+        found = shared.searched(result.ranked, auto, result)
+        merged = sorted(result.ranked + found, key=lambda t: (t[0].step, t[0].memory, t[1].layout))
+        result.ranked = merged[:top]
     return result
 
 
 class _Shared:
-    """What many candidates share, computed once: partitions and per-token peaks."""
+    """What many candidates share, computed once: partitions and per-token peaks; and the
+    schedule search for chosen degrees."""
 
     def __init__(self, work: Workload, machine: Machine, world: int, partition: object):
         self.work, self.machine, self.world, self.partition = work, machine, world, partition
         self.stage_units: dict[tuple, tuple[range, ...]] = {}
         self.peaks: dict[tuple, np.ndarray] = {}
+
+    def _costs(self, layout: Layout, units: dict, crosses: dict, n_stages: int) -> CostModel:
+        """The schedule search's `costs_for` for one layout's partitions."""
+        return pipeline_costs(self.work, self.machine, layout, units[n_stages], crosses)[0]
+
+    def searched(
+        self, ranked: list[tuple[Prediction, LayoutCost]], count: int, result: SearchResult
+    ) -> list[tuple[Prediction, LayoutCost]]:
+        """The schedule search's best schedule for the degrees, order and m of the first
+        `count` distinct ones in `ranked`, under the memory the rank's weights leave."""
+        from hpcpipe.schedules.search import BudgetError, search
+
+        out = []
+        seen: set[tuple] = set()
+        for _, cost in ranked:
+            lay = cost.layout
+            key = (lay.pp, lay.dp, lay.ep, lay.order, lay.m)
+            p = lay.pp
+            if key in seen or len(seen) >= count or 2 * p > len(self.work.units):
+                continue  # (the schedule search also cuts the model into 2p stages)
+            seen.add(key)
+            flat = tuple((r,) for r in range(p))
+            vee = tuple((r, 2 * p - 1 - r) for r in range(p))
+            placements = {p: flat, 2 * p: vee}
+            units = {n: tuple(self.partition(n, pl)) for n, pl in placements.items()}  # type: ignore[operator]
+            probe = replace(lay, schedule="auto", v=None)
+            statics = [
+                float(static_bytes(self.work, probe, units[n], pl).max())
+                for n, pl in placements.items()
+            ]
+            budget = self.machine.memory_bytes - max(statics)
+
+            costs_for = functools.partial(self._costs, probe, units, cost.crosses)
+            try:
+                found = search(p, lay.m, costs_for, budget)
+            except BudgetError as exc:
+                result.reject("memory", f"{probe.label}: {exc}")
+                continue
+            sched = found.schedule  # its own placement's partition (interleaved is not V's)
+            split = tuple(self.partition(sched.num_stages, sched.stages_of_rank))  # type: ignore[operator]
+            new = layout_cost(
+                self.work, self.machine, self.world, probe, sched, split, crosses=cost.crosses
+            )
+            result.simulated += 1
+            if float(new.memory.max()) <= self.machine.memory_bytes:
+                out.append((predict(new), new))
+        return out
 
     def evaluate(self, layout: Layout, crosses: dict, result: SearchResult) -> LayoutCost | None:
         """The layout's costs, or None (the reason recorded) when it cannot run or fit."""

@@ -66,3 +66,21 @@ def test_nothing_fits_says_so(cli):
     r = cli(["plan", DECK, "--search", "--world", "8", "--set", "machine.memory_gib=1"])
     assert r.returncode == 1, r.output
     assert "no layout fits" in r.stdout and "memory" in r.stdout
+
+
+def test_a_searched_schedule_is_written_as_csv_beside_the_deck(cli, tmp_path):
+    from hpcpipe.schedules.report import load_schedule
+
+    deck = str(INPUTS / "layout_tiny.toml")
+    chosen = tmp_path / "chosen.toml"
+    r = cli(["plan", deck, "--search", "--world", "8", "--auto", "2", "--write-deck", str(chosen)])
+    assert r.returncode == 0, r.output
+    assert " auto " in r.stdout  # the searched schedule is in the table
+    cfg = load_config(chosen)
+    if "chosen: " in r.stdout and " auto m=" in r.stdout.split("chosen: ")[1].splitlines()[0]:
+        assert cfg.pipeline.schedule == "csv"
+        assert cfg.pipeline.schedule_csv == str(chosen.with_suffix(".schedule.csv"))
+        sched = load_schedule(cfg.pipeline, cfg.topology.pp, str(chosen))
+        assert sched.num_microbatches == cfg.pipeline.microbatches
+    else:
+        assert cfg.pipeline.schedule != "csv"

@@ -161,3 +161,27 @@ def test_rank_correlation_by_hand():
         / (sum(x * x for x in ra) * sum(y * y for y in rb)) ** 0.5
     )
     assert rank_correlation([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(expect)
+
+
+def test_searched_schedules_are_never_slower_than_the_fixed_ones_they_start_from():
+    """`auto`: the schedule search seeds with every fixed schedule, so under the same costs
+    its pipeline is at most as long as theirs for the same degrees, order and m."""
+    work = _work(_units(), batch=32, top_k=2)
+    plain = search_layouts(work, _machine(), 8, experts=4, top=40, partition=_split(work.units))
+    result = search_layouts(
+        work, _machine(), 8, experts=4, top=40, partition=_split(work.units), auto=2
+    )
+    searched = [(p, c) for p, c in result.ranked if c.layout.schedule == "auto"]
+    assert searched, "the schedule search found nothing that fits"
+    for pred, cost in searched:
+        lay = cost.layout
+        same = [
+            p.makespan
+            for p, c in plain.ranked
+            if (c.layout.pp, c.layout.dp, c.layout.ep, c.layout.order, c.layout.m)
+            == (lay.pp, lay.dp, lay.ep, lay.order, lay.m)
+        ]
+        assert same and pred.makespan <= min(same) * (1 + 1e-9)
+        assert cost.memory.max() <= _machine().memory_bytes
+    steps = [p.step for p, _ in result.ranked]
+    assert steps == sorted(steps)
