@@ -9,10 +9,11 @@ import types
 from pathlib import Path
 
 from hpcpipe.config import Config, ConfigError, dump_toml
-from hpcpipe.layout.cost import Layout, Workload
+from hpcpipe.layout.cost import Layout, LayoutCost, Prediction, Workload
 from hpcpipe.layout.machine import MachineConfig, machine_model
 from hpcpipe.layout.search import SearchResult, search_layouts
 from hpcpipe.layout.shapes import unit_shapes
+from hpcpipe.schedules import simulate
 from hpcpipe.schedules.ir import to_csv
 
 __all__ = ["chosen_config", "layout_search_report", "run_search"]
@@ -139,7 +140,8 @@ def layout_search_report(
         return "\n".join(lines), False
     head = (
         f"{'#':>3} {'pp':>4} {'dp':>5} {'ep':>3} {'order':<9} {'schedule':<20} {'m':>4} "
-        f"{'step ms':>9} {'compute':>8} {'a2a':>7} {'idle':>7} {'reduce':>7} {'GiB':>6}  "
+        f"{'step ms':>9} {'compute':>8} {'a2a':>7} {'bubble':>7} {'p2p':>7} {'reduce':>7} "
+        f"{'GiB':>6}  "
         "across nodes"
     )
     lines += ["", "predicted step and its parts on the rank that finishes last (ms)", head]
@@ -147,11 +149,12 @@ def layout_search_report(
         lay = cost.layout
         sched = lay.schedule + (f" v={lay.v}" if lay.v else "")
         crossing = [d for d, c in cost.crosses.items() if c and _degree(lay, d) > 1]
+        p2p = min(_message_wait(cost, pred), pred.idle)
         lines.append(
             f"{i:>3} {lay.pp:>4} {lay.dp:>5} {lay.ep:>3} {','.join(lay.order):<9} {sched:<20} "
             f"{lay.m:>4} {_ms(pred.step):>9} {_ms(pred.compute):>8} {_ms(pred.alltoall):>7} "
-            f"{_ms(pred.idle):>7} {_ms(pred.reduce_exposed):>7} {pred.memory / 2**30:>6.3g}  "
-            + (",".join(crossing) or "-")
+            f"{_ms(pred.idle - p2p):>7} {_ms(p2p):>7} {_ms(pred.reduce_exposed):>7} "
+            f"{pred.memory / 2**30:>6.3g}  " + (",".join(crossing) or "-")
         )
     best_cost = result.ranked[0][1]
     best = best_cost.layout
@@ -174,6 +177,13 @@ def layout_search_report(
         Path(write_deck).write_text(dump_toml(chosen_config(config, result, world, csv)))
         lines.append(f"wrote {write_deck}" + (f" and {csv}" if csv else ""))
     return "\n".join(lines), True
+
+
+def _message_wait(cost: LayoutCost, pred: Prediction) -> float:
+    """What the messages between stages add to the pipeline: its makespan minus the same
+    schedule's with free messages (the rest of the idle time is fill and drain)."""
+    free = dataclasses.replace(cost.costs, comm_latency=0.0, comm_bandwidth=None)
+    return max(pred.makespan - simulate(cost.schedule, free).makespan, 0.0)
 
 
 def _degree(layout: Layout, dim: str) -> int:

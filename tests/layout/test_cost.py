@@ -124,3 +124,18 @@ def test_prediction_is_the_simulation_plus_exposed_reductions():
     assert pred.reduce_exposed == pytest.approx(pred.step - sim.makespan)
     assert pred.compute == pytest.approx(3 * 4 * cost.compute[0])
     assert pred.idle == pytest.approx(sim.makespan - pred.compute)
+
+
+def test_message_wait_is_what_free_messages_would_save():
+    from hpcpipe.layout.report import _message_wait
+
+    units = [_unit(1_000_000, params=10) for _ in range(4)]
+    work = _work(units)
+    layout = Layout(pp=2, dp=2, ep=1, order=("dp", "ep", "pp"), schedule="1f1b", v=None, m=4)
+    sched = build_schedule("1f1b", 2, 4)
+    split = (range(0, 2), range(2, 4))
+    cost = layout_cost(work, MACHINE, 4, layout, sched, split)
+    pred = predict(cost)
+    free = simulate(sched, CostModel(t_f=cost.costs.t_f, t_b=cost.costs.t_b, t_w=cost.costs.t_w))
+    assert _message_wait(cost, pred) == pytest.approx(pred.makespan - free.makespan)
+    assert _message_wait(cost, pred) > 0  # pp crosses nodes here: 8 tokens x 32 floats, slowly
