@@ -57,6 +57,11 @@ class MachineConfig:
     calibration_inter: tuple[str, ...] = option(
         (), "the same, measured with the ranks on two nodes"
     )
+    calibration_compute: tuple[str, ...] = option(
+        (),
+        "hpcpipe bench pipeline --json results (the real model): compute_tflops is set to "
+        "the rate their F, B and W achieved",
+    )
 
     def __post_init__(self) -> None:
         for key in ("memory_gib", "compute_tflops", "intra_bandwidth_gbs", "inter_bandwidth_gbs"):
@@ -157,4 +162,51 @@ def machine_model(cfg: MachineConfig, topology_ranks_per_node: int, source: str)
         links.append(Link(latency, bandwidth, alltoall))
     rpn = cfg.ranks_per_node or topology_ranks_per_node or 8
     usable = cfg.memory_gib * (1.0 - cfg.memory_reserve) * 2**30
-    return Machine(rpn, usable, cfg.compute_tflops * 1e12, links[0], links[1])
+    flops = cfg.compute_tflops * 1e12
+    if cfg.calibration_compute:
+        flops = _compute_rate(cfg.calibration_compute, source, "machine.calibration_compute")
+    return Machine(rpn, usable, flops, links[0], links[1])
+
+
+def _compute_rate(paths: tuple[str, ...], source: str, key: str) -> float:
+    """FLOP/s that `hpcpipe bench pipeline` runs achieved, counted as the layout search counts
+    them (F, B and W each the forward's FLOPs): the median over every schedule and step.
+
+    Each result names its deck and overrides; that deck is read again (relative paths from
+    where the benchmark ran, i.e. here) to count the FLOPs of one step."""
+    from hpcpipe.config import load_config
+    from hpcpipe.layout.shapes import unit_shapes
+
+    rates = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(source, key, f"{path} cannot be read: {exc.strerror}") from None
+        except ValueError as exc:
+            raise ConfigError(source, key, f"{path} is not JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("benchmark") != "pipeline":
+            raise ConfigError(
+                source,
+                key,
+                f"{path} is not a result of `hpcpipe bench pipeline --json` on the real model "
+                f"(benchmark = {data.get('benchmark') if isinstance(data, dict) else None!r})",
+            )
+        params, ranks = data.get("params", {}), data.get("machine", {}).get("ranks")
+        try:
+            deck = load_config(
+                params["deck"], [*params.get("overrides", []), f"topology.pp={ranks}"]
+            )
+        except (KeyError, OSError) as exc:
+            raise ConfigError(source, key, f"{path}: its deck cannot be read: {exc}") from None
+        except ConfigError as exc:
+            raise ConfigError(source, key, f"{path}: its deck is not usable: {exc}") from None
+        flops = sum(u.flops_per_token for u in unit_shapes(deck.model, deck.sections.get("moe"), 4))
+        tokens = deck.data.global_batch * deck.model.seq_len  # pp = ranks, dp = 1
+        for row in data.get("rows", []):
+            for step in row.get("per_step", []):
+                if step.get("compute_s", 0) > 0:  # mean over the ranks of their F+B+W time
+                    rates.append(3 * flops * tokens / (ranks * step["compute_s"]))
+    if not rates:
+        raise ConfigError(source, key, "the named results hold no measured step")
+    return float(sorted(rates)[len(rates) // 2])

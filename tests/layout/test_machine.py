@@ -84,3 +84,34 @@ def test_bad_calibration_files_name_the_key_and_the_file(tmp_path, content, says
         machine_model(MachineConfig(calibration_inter=(str(path),)), 0, "deck")
     assert info.value.key == "machine.calibration_inter"
     assert str(path) in str(info.value) and says in str(info.value)
+
+
+def test_compute_rate_from_a_pipeline_benchmark(monkeypatch):
+    """compute_tflops from `bench pipeline`: 3 x FLOPs of a step / (ranks x F+B+W seconds)."""
+    from hpcpipe.model.models import build_model
+
+    monkeypatch.chdir(ROOT)  # the result names its deck relative to where it ran
+
+    path = RESULTS / "pipeline_step.json"
+    data = json.loads(path.read_text())
+    ranks = data["machine"]["ranks"]
+    deck = load_config(data["params"]["deck"], data["params"]["overrides"])
+    per_token = sum(u.flops_per_token() for u in build_model(deck.model))
+    tokens = deck.data.global_batch * deck.model.seq_len
+    rates = sorted(
+        3 * per_token * tokens / (ranks * s["compute_s"])
+        for row in data["rows"]
+        for s in row["per_step"]
+    )
+    m = machine_model(MachineConfig(calibration_compute=(str(path),)), 0, "deck")
+    assert m.flops == pytest.approx(rates[len(rates) // 2])
+    assert m.intra == machine_model(MachineConfig(), 0, "deck").intra  # links untouched
+
+
+def test_compute_calibration_needs_a_pipeline_result():
+    with pytest.raises(ConfigError) as info:
+        machine_model(
+            MachineConfig(calibration_compute=(str(RESULTS / "p2p_latency.json"),)), 0, "deck"
+        )
+    assert info.value.key == "machine.calibration_compute"
+    assert "bench pipeline" in str(info.value)
