@@ -34,7 +34,7 @@ from hpcpipe.backend import make_backend
 from hpcpipe.bench.synthetic import PollingMailbox, SleepStage, _pause
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.bench.training import StepClock, fine_timer_slack
-from hpcpipe.config import load_config
+from hpcpipe.config import ConfigError, load_config
 from hpcpipe.layout.cost import LayoutCost, Prediction
 from hpcpipe.layout.machine import Machine
 from hpcpipe.schedules import validate
@@ -222,9 +222,15 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report | None:
     fine_timer_slack()
     config = load_config(args.deck, args.overrides)
     rpn = args.ranks_per_node
+    if rpn < 1:
+        raise ConfigError("--ranks-per-node", "", f"= {rpn} must be >= 1")
     mcfg = config.sections.get("machine") or MachineConfig()
-    machine = machine_model(mcfg, rpn, config.source)
-    machine = Machine(rpn, machine.memory_bytes, machine.flops, machine.intra, machine.inter)
+    machine = machine_model(mcfg, config.topology.ranks_per_node, config.source, rpn)
+    clock = StepClock(comm)
+    if not clock.one_clock:  # messages carry send times: one clock, i.e. one host
+        raise ConfigError(
+            "hpcpipe bench layout", "", "emulates nodes on one host: run every rank on one node"
+        )
     ranked: list[tuple[Prediction, LayoutCost]] = []
     if comm.rank == 0:
         ranked = run_search(config, comm.size, ranks_per_node=rpn, top=1 << 30).ranked
@@ -249,7 +255,6 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report | None:
         stream=comm.rank == 0,
     )
     report.start()
-    clock = StepClock(comm)
     predicted, measured = [], []
     for pred, cost in ranked:
         got = _measure(comm, cost, machine, scale, args.steps, clock, poll_s)

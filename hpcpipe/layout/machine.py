@@ -11,6 +11,7 @@ InfiniBand-class rail per GPU across) and are there so that `plan --search` runs
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,26 +129,42 @@ def _calibrate(paths: tuple[str, ...], source: str, key: str) -> dict[str, float
                 source,
                 key,
                 f"{path} is not a result of `hpcpipe bench p2p` or `hpcpipe bench alltoall "
-                "--json` (benchmark = {bench!r})",
+                f"--json` (benchmark = {bench!r})",
             )
         try:
             if bench == "p2p":
                 found["latency"], found["bandwidth"] = _fit_p2p(rows, path, source, key)
-            else:
+            else:  # `bytes` is what each rank sends to each peer: (ranks - 1) x that leaves it
                 big = max(rows, key=lambda r: float(r["bytes"]))
                 column = "flat_us" if "flat_us" in big else "raw_us"
-                found["alltoall"] = float(big["bytes"]) / (float(big[column]) * 1e-6)
+                peers = int(data.get("machine", {}).get("ranks", 2)) - 1
+                seconds = float(big[column]) * 1e-6
+                found["alltoall"] = peers * float(big["bytes"]) / seconds if seconds > 0 else 0.0
         except ConfigError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             raise ConfigError(
                 source, key, f"{path}: its rows lack the column {exc} (rerun the benchmark)"
             ) from None
+        for what, value in found.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(
+                    source, key, f"{path}: gives a {what} of {value!r} (times must be finite, "
+                    "growing with size and > 0; rerun the benchmark)",
+                )  # fmt: skip
     return found
 
 
-def machine_model(cfg: MachineConfig, topology_ranks_per_node: int, source: str) -> Machine:
-    """The [machine] section resolved, calibration files applied (ConfigError naming the key)."""
+def machine_model(
+    cfg: MachineConfig,
+    topology_ranks_per_node: int,
+    source: str,
+    ranks_per_node: int | None = None,
+) -> Machine:
+    """The [machine] section resolved, calibration files applied (ConfigError naming the key).
+
+    Ranks per node: `ranks_per_node` (the command line) wins, then the key, then the topology's,
+    then 8."""
     links = []
     for where in ("intra", "inter"):
         latency = getattr(cfg, f"{where}_latency_us") * 1e-6
@@ -160,7 +177,7 @@ def machine_model(cfg: MachineConfig, topology_ranks_per_node: int, source: str)
         bandwidth = measured.get("bandwidth", bandwidth)
         alltoall = measured.get("alltoall", alltoall if a2a is not None else bandwidth)
         links.append(Link(latency, bandwidth, alltoall))
-    rpn = cfg.ranks_per_node or topology_ranks_per_node or 8
+    rpn = ranks_per_node or cfg.ranks_per_node or topology_ranks_per_node or 8
     usable = cfg.memory_gib * (1.0 - cfg.memory_reserve) * 2**30
     flops = cfg.compute_tflops * 1e12
     if cfg.calibration_compute:
@@ -204,9 +221,10 @@ def _compute_rate(paths: tuple[str, ...], source: str, key: str) -> float:
         flops = sum(u.flops_per_token for u in unit_shapes(deck.model, deck.sections.get("moe"), 4))
         tokens = deck.data.global_batch * deck.model.seq_len  # pp = ranks, dp = 1
         for row in data.get("rows", []):
-            for step in row.get("per_step", []):
-                if step.get("compute_s", 0) > 0:  # mean over the ranks of their F+B+W time
-                    rates.append(3 * flops * tokens / (ranks * step["compute_s"]))
+            for step in row.get("per_step", []) if isinstance(row, dict) else ():
+                seconds = step.get("compute_s") if isinstance(step, dict) else None
+                if isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0:
+                    rates.append(3 * flops * tokens / (ranks * seconds))  # mean F+B+W per rank
     if not rates:
         raise ConfigError(source, key, "the named results hold no measured step")
     return float(sorted(rates)[len(rates) // 2])

@@ -16,7 +16,10 @@ from hpcpipe.layout.shapes import unit_shapes
 from hpcpipe.schedules import simulate
 from hpcpipe.schedules.ir import to_csv
 
-__all__ = ["chosen_config", "layout_search_report", "run_search"]
+__all__ = ["MAX_WORLD", "chosen_config", "layout_search_report", "run_search"]
+
+MAX_WORLD = 1 << 20
+"""Beyond a million ranks the per-rank arrays of the node-crossing check cost minutes."""
 
 
 def _workload(config: Config) -> tuple[Workload, int]:
@@ -49,6 +52,10 @@ def run_search(
     auto: int = 0,
 ) -> SearchResult:
     """Rank the deck's layouts on `world` ranks (a deck without [model] is bad input)."""
+    if world > MAX_WORLD:
+        raise ConfigError(
+            "--world", "", f"= {world}: the layout search lays out at most {MAX_WORLD} ranks"
+        )
     if config.run.workload != "train":
         raise ConfigError(
             config.source, "run.workload", f"= {config.run.workload!r}: --search lays out training"
@@ -57,8 +64,7 @@ def run_search(
 
     work, experts = _workload(config)
     mcfg = config.sections.get("machine") or MachineConfig()
-    rpn = ranks_per_node or config.topology.ranks_per_node
-    machine = machine_model(mcfg, rpn, config.source)
+    machine = machine_model(mcfg, config.topology.ranks_per_node, config.source, ranks_per_node)
     moe = config.sections.get("moe")
     units = build_model(config.model, moe if moe is not None and moe.enabled else None)
     by = config.train.partition
@@ -66,9 +72,12 @@ def run_search(
     def split(n_stages: int, placement: tuple[tuple[int, ...], ...]) -> list[range]:
         return partition(units, n_stages, by=by, stages_of_rank=placement)
 
+    topo = config.topology
+    keep = tuple(topo.intra_node) if topo.cross_node == "error" else ()
     return search_layouts(
-        work, machine, world, experts=experts, top=top, partition=split, auto=auto
-    )
+        work, machine, world, experts=experts, top=top, partition=split, auto=auto,
+        keep_inside=keep,
+    )  # fmt: skip
 
 
 def chosen_config(
@@ -117,7 +126,7 @@ def layout_search_report(
     result = run_search(config, world, ranks_per_node=ranks_per_node, top=top, auto=auto)
     spent = time.process_time() - t0
     mcfg = config.sections.get("machine") or MachineConfig()
-    machine = machine_model(mcfg, ranks_per_node or config.topology.ranks_per_node, config.source)
+    machine = machine_model(mcfg, config.topology.ranks_per_node, config.source, ranks_per_node)
     rpn = min(machine.ranks_per_node, world)
     model = config.model
     lines = [

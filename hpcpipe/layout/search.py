@@ -41,8 +41,8 @@ from hpcpipe.topology import DIMS
 
 __all__ = ["Rejected", "SearchResult", "divisors", "search_layouts"]
 
-MICROBATCH_FACTORS = (1, 2, 4, 8)
-"""m is tried at these multiples of pp (where the replica's batch divides into them)."""
+MICROBATCH_SPAN = 8
+"""m is tried from pp to this many times pp (where it divides the replica's batch)."""
 
 VIRTUAL_STAGES = (2, 4)
 """interleaved-1f1b is tried with these stages per rank."""
@@ -95,8 +95,11 @@ def _orders(pp: int, dp: int, ep: int, world: int, rpn: int) -> dict[tuple[str, 
 
 
 def _microbatches(rows: int, pp: int) -> list[int]:
-    ms = [k * pp for k in MICROBATCH_FACTORS if rows % (k * pp) == 0]
-    return ms or [max(d for d in divisors(rows) if d <= pp)]
+    """Every m in [pp, 8 pp] that divides the replica's rows (else the largest below pp), and
+    one row per microbatch (the least activation memory) when that is more."""
+    ms = [d for d in divisors(rows) if pp <= d <= MICROBATCH_SPAN * pp]
+    ms = ms or [max(d for d in divisors(rows) if d <= pp)]
+    return ms if rows in ms else [*ms, rows]
 
 
 def search_layouts(
@@ -109,13 +112,15 @@ def search_layouts(
     top: int = 10,
     partition: object = None,
     auto: int = 0,
+    keep_inside: tuple[str, ...] = (),
 ) -> SearchResult:
     """The `top` best layouts of `world` ranks (and why the others were left out).
 
     `partition(n_stages, stages_of_rank) -> tuple[range, ...]` splits the units (the deck's
     rule, so the search predicts what the run will do). With `auto` > 0, the schedule search
     (`schedule = "auto"`) also runs, under each layout's memory, for the degrees, order and m
-    of the `auto` best layouts found, and its schedules join the ranking."""
+    of the `auto` best layouts found, and its schedules join the ranking. Orders that put a
+    group of a dim in `keep_inside` (of size > 1) across nodes are left out."""
     result = SearchResult(ranked=[])
     rpn = min(machine.ranks_per_node, world)
     shared = _Shared(work, machine, world, partition)
@@ -129,6 +134,15 @@ def search_layouts(
         eps = [e for e in divisors(dp) if experts % e == 0] if experts else [1]
         for ep in eps:
             for order, crosses in _orders(pp, dp, ep, world, rpn).items():
+                degree = {"pp": pp, "dp": dp, "ep": ep}
+                spans = [d for d in keep_inside if degree.get(d, 1) > 1 and crosses.get(d)]
+                if spans:
+                    result.reject(
+                        "intra_node",
+                        f"pp{pp} dp{dp} ep{ep} [{','.join(order)}]: {','.join(spans)} groups "
+                        "cross nodes (topology.intra_node with cross_node = 'error')",
+                    )
+                    continue
                 for m, name in itertools.product(_microbatches(rows, pp), schedules):
                     vs = VIRTUAL_STAGES if name == "interleaved-1f1b" else (None,)
                     for v in vs:
@@ -140,19 +154,20 @@ def search_layouts(
                             feasible.append((bound, layout, cost))
     result.fit = len(feasible)
     feasible.sort(key=lambda t: (t[0], t[1]))
-    best: list[tuple[float, float, Layout, Prediction, LayoutCost]] = []  # max-heap by -step
+    steps: list[float] = []  # max-heap (negated) of the `top` shortest steps so far
+    done: list[tuple[float, float, Layout, Prediction, LayoutCost]] = []
     for bound, layout, cost in feasible:
-        if len(best) >= top and bound > -best[0][0]:
-            break
+        if len(steps) >= top and bound > -steps[0]:
+            break  # no later candidate can beat (or tie) the top-th step
         pred = predict(cost)
         result.simulated += 1
-        item = (-pred.step, -pred.memory, layout, pred, cost)
-        if len(best) < top:
-            heapq.heappush(best, item)
-        elif (pred.step, pred.memory, layout) < (-best[0][0], -best[0][1], best[0][2]):
-            heapq.heapreplace(best, item)
-    ordered = sorted(best, key=lambda t: (-t[0], -t[1], t[2]))
-    result.ranked = [(pred, cost) for _, _, _, pred, cost in ordered]
+        done.append((pred.step, pred.memory, layout, pred, cost))
+        if len(steps) < top:
+            heapq.heappush(steps, -pred.step)
+        elif pred.step < -steps[0]:
+            heapq.heapreplace(steps, -pred.step)
+    done.sort(key=lambda t: (t[0], t[1], t[2]))
+    result.ranked = [(pred, cost) for _, _, _, pred, cost in done[:top]]
     if auto:
         found = shared.searched(result.ranked, auto, result)
         merged = sorted(result.ranked + found, key=lambda t: (t[0].step, t[0].memory, t[1].layout))

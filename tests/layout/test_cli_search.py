@@ -84,3 +84,25 @@ def test_a_searched_schedule_is_written_as_csv_beside_the_deck(cli, tmp_path):
         assert sched.num_microbatches == cfg.pipeline.microbatches
     else:
         assert cfg.pipeline.schedule != "csv"
+
+
+def test_ranks_per_node_flag_wins_over_the_machine_key(cli):
+    tiny = str(INPUTS / "layout_tiny.toml")  # [machine] ranks_per_node = 4
+    r = cli(["plan", tiny, "--search", "--world", "8", "--ranks-per-node", "8", "--top", "1"])
+    assert r.returncode == 0, r.output
+    assert "world 8 (1 node(s) of 8 ranks)" in r.stdout
+
+
+def test_a_world_beyond_the_search_is_bad_input(cli):
+    r = cli(["plan", DECK, "--search", "--world", str(1 << 40)])
+    assert r.returncode == 2
+    assert "--world" in r.stderr and "at most" in r.stderr
+
+
+def test_cross_node_error_keeps_the_intra_node_dims_inside(cli):
+    sets = ["--set", "topology.cross_node='error'", "--set", "topology.intra_node=['ep']"]
+    r = cli(["plan", DECK, "--search", "--world", "4096", "--top", "3", *sets])
+    assert r.returncode == 0, r.output
+    assert "intra_node" in r.stdout
+    table = r.stdout.split("across nodes\n", 1)[1].split("\n\n")[0]
+    assert all("ep" not in line.split()[-1].split(",") for line in table.splitlines())

@@ -61,7 +61,9 @@ def test_calibration_from_shipped_bench_results():
     assert m.intra.bandwidth == pytest.approx(slope)
     a2a = max(json.loads((RESULTS / "moe_alltoall.json").read_text())["rows"],
               key=lambda r: r["bytes"])  # fmt: skip
-    assert m.intra.alltoall_bandwidth == pytest.approx(a2a["bytes"] / (a2a["flat_us"] * 1e-6))
+    ranks = json.loads((RESULTS / "moe_alltoall.json").read_text())["machine"]["ranks"]
+    egress = (ranks - 1) * a2a["bytes"]  # `bytes` goes to each peer
+    assert m.intra.alltoall_bandwidth == pytest.approx(egress / (a2a["flat_us"] * 1e-6))
     assert m.inter == machine_model(MachineConfig(), 0, "deck").inter  # untouched
 
 
@@ -74,6 +76,13 @@ def test_calibration_from_shipped_bench_results():
         ('{"benchmark": "p2p", "rows": [{"bytes": 1, "mailbox_us": 2}]}', "two or more growing"),
         ('{"benchmark": "p2p", "rows": [{"bytes": 1}]}', "rows lack the column 'raw_us'"),
         ('{"benchmark": "alltoall", "rows": [{"size": 1}]}', "rows lack"),
+        ('{"benchmark": "alltoall", "rows": [{"bytes": 8, "flat_us": 0}]}', "finite"),
+        (
+            '{"benchmark": "p2p", "rows": [{"bytes": 1, "mailbox_us": "nan"}, '
+            '{"bytes": 2, "mailbox_us": 3}, {"bytes": 4, "mailbox_us": 5}]}',
+            "finite",
+        ),
+        ('{"benchmark": "sweep", "rows": [{}]}', "(benchmark = 'sweep')"),
     ],
 )
 def test_bad_calibration_files_name_the_key_and_the_file(tmp_path, content, says):

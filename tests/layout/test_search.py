@@ -10,7 +10,7 @@ from test_cost import _work
 
 from hpcpipe.layout.cost import Layout, Workload, layout_cost, predict
 from hpcpipe.layout.machine import Link, Machine
-from hpcpipe.layout.search import MICROBATCH_FACTORS, VIRTUAL_STAGES, divisors, search_layouts
+from hpcpipe.layout.search import VIRTUAL_STAGES, divisors, search_layouts
 from hpcpipe.layout.shapes import UnitShape
 from hpcpipe.model.models import balance_placement
 from hpcpipe.schedules import build_schedule
@@ -54,9 +54,11 @@ def _brute_force(work, machine, world, experts):
         if work.global_batch % dp:
             continue
         rows = work.global_batch // dp
-        ms = [k * pp for k in MICROBATCH_FACTORS if rows % (k * pp) == 0] or [
-            max(d for d in divisors(rows) if d <= pp)
+        # m: every divisor of the rows in [pp, 8 pp] (else the largest below pp), and rows
+        ms = [d for d in range(pp, 8 * pp + 1) if rows % d == 0] or [
+            max(d for d in range(1, pp + 1) if rows % d == 0)
         ]
+        ms = ms if rows in ms else [*ms, rows]
         eps = [e for e in divisors(dp) if experts % e == 0] if experts else [1]
         for ep, order, m, name in itertools.product(eps, itertools.permutations(DIMS), ms,
                                                     SCHEDULE_NAMES):  # fmt: skip
@@ -75,15 +77,18 @@ def _brute_force(work, machine, world, experts):
                 )  # fmt: skip
                 if cost.memory.max() <= machine.memory_bytes:
                     key = (pp, ep, name, v, m, tuple(cost.crosses.values()))
-                    found.setdefault(key, (predict(cost).step, layout))
+                    pred = predict(cost)
+                    found.setdefault(key, (pred.step, pred.memory, layout))
     return sorted(found.values())
 
 
-@pytest.mark.parametrize("world, experts, memory", [(8, 4, 1e12), (8, 0, 1e12), (16, 4, 6e7)])
-def test_search_finds_what_brute_force_finds(world, experts, memory):
+@pytest.mark.parametrize(
+    "world, experts, memory, top",
+    [(8, 4, 1e12, 8), (8, 0, 1e12, 3), (8, 0, 1e12, 12), (16, 4, 6e7, 8)],
+)
+def test_search_finds_what_brute_force_finds(world, experts, memory, top):
     work = _work(_units(moe_every=2 if experts else 0), batch=32, top_k=2 if experts else 0)
     machine = _machine(memory)
-    top = 8
     result = search_layouts(
         work, machine, world, experts=experts, top=top, partition=_split(work.units)
     )
@@ -92,12 +97,9 @@ def test_search_finds_what_brute_force_finds(world, experts, memory):
     if memory < 1e9:
         assert result.rejected["memory"].count > 0  # and the budget binds
     assert len(result.ranked) == min(top, len(brute))
-    assert [p.step for p, _ in result.ranked] == pytest.approx([s for s, _ in brute[:top]])
-    best_step, best = brute[0]
-    chosen = result.ranked[0][1].layout
-    assert (chosen.pp, chosen.dp, chosen.ep) == (best.pp, best.dp, best.ep) or (
-        result.ranked[0][0].step == pytest.approx(best_step)
-    )
+    # the same layouts in the same order, ties (equal steps are common) broken the same way
+    assert [c.layout for _, c in result.ranked] == [lay for _, _, lay in brute[:top]]
+    assert [p.step for p, _ in result.ranked] == [s for s, _, _ in brute[:top]]
     assert result.simulated <= result.candidates
 
 
@@ -185,3 +187,14 @@ def test_searched_schedules_are_never_slower_than_the_fixed_ones_they_start_from
         assert cost.memory.max() <= _machine().memory_bytes
     steps = [p.step for p, _ in result.ranked]
     assert steps == sorted(steps)
+
+
+def test_groups_that_must_stay_inside_a_node_rule_orders_out():
+    work = _work(_units(), batch=32, top_k=2)
+    result = search_layouts(
+        work, _machine(), 16, experts=4, top=50, partition=_split(work.units),
+        keep_inside=("ep",),
+    )  # fmt: skip
+    assert result.rejected["intra_node"].count > 0
+    assert "ep groups cross nodes" in result.rejected["intra_node"].example
+    assert all(not c.crosses["ep"] or c.layout.ep == 1 for _, c in result.ranked)
