@@ -174,7 +174,6 @@ def _layout(p: argparse.ArgumentParser) -> None:
         default=4,
         help="ranks per virtual node (messages between them use the [machine] inter-node link)",
     )
-    p.add_argument("--steps", type=int, default=3, help="timed steps per layout (default 3)")
     p.add_argument(
         "--target-ms",
         type=float,

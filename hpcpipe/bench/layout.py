@@ -247,17 +247,17 @@ def run(comm: MPI.Comm, args: argparse.Namespace) -> Report | None:
             f"virtual nodes of {rpn} ranks: stages sleep for the modelled costs x {scale:.3g} "
             f"(the predicted best step = {args.target_ms:g} ms), messages that cross a node "
             "wait for the machine model's link, reductions run from each stage's last W",
-            f"medians of {args.steps} steps after a warm-up; ms on this machine's clock "
+            f"medians of {args.repeats} steps after a warm-up; ms on this machine's clock "
             "(predicted = the search's step x the same scale)",
         ],
         COLUMNS,
-        params={"deck": args.deck, "ranks_per_node": rpn, "steps": args.steps, "scale": scale},
+        params={"deck": args.deck, "ranks_per_node": rpn, "repeats": args.repeats, "scale": scale},
         stream=comm.rank == 0,
     )
     report.start()
     predicted, measured = [], []
     for pred, cost in ranked:
-        got = _measure(comm, cost, machine, scale, args.steps, clock, poll_s)
+        got = _measure(comm, cost, machine, scale, args.repeats, clock, poll_s)
         predicted.append(pred.step * scale)
         measured.append(got)
     pr = np.argsort(np.argsort(predicted, kind="stable"), kind="stable")

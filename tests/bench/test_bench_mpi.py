@@ -91,7 +91,7 @@ def test_alltoall(mpirun, tmp_path):
 def test_pipeline_measured(mpirun, tmp_path):
     args = ["pipeline", TINY, "--schedules", "1f1b,zb-v,dualpipe-v", "--repeats", "2"]
     args += ["--set", "pipeline.microbatches=2"]
-    data = _bench(mpirun, tmp_path, 2, [*args, "--steps", "1"])
+    data = _bench(mpirun, tmp_path, 2, [*args, "--repeats", "1"])
     rows = {r["schedule"]: r for r in data["rows"]}
     assert list(rows) == ["1f1b", "zb-v", "dualpipe-v"]
     assert "m >= 2p" in rows["dualpipe-v"]["skipped"]  # cannot run with this deck: a row says so
@@ -240,7 +240,7 @@ def test_layout_ranking_on_emulated_nodes(mpirun, tmp_path):
     from hpcpipe.layout.report import run_search
 
     deck = str(INPUTS / "layout_tiny.toml")
-    args = ["layout", deck, "--steps", "1", "--target-ms", "10"]
+    args = ["layout", deck, "--repeats", "1", "--target-ms", "10"]
     data = _bench(mpirun, tmp_path, 8, args, timeout=300)
     expect = run_search(load_config(deck), 8, ranks_per_node=4, top=1 << 30).ranked
     rows = data["rows"]
