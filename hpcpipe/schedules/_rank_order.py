@@ -5,39 +5,19 @@ The answer is a longest path (start = max(previous end on the rank, input end + 
 so any order of evaluation that respects the dependencies gives it bit for bit. The NumPy
 path advances every rank by one action per round: about m x (stages per rank) x 3 rounds of
 vector calls, which at p = 1024, m = 4096 is ~28,000 rounds over 1,024-entry gathers from
-59-million-entry arrays. Above `COMPILED_ACTIONS` a compiled worklist (numba, when installed)
-visits each action once instead: a rank runs until an input is missing, parks on the action
-that produces it, and is woken when that action ends. Below it the NumPy path is cheaper than
-importing numba.
+59-million-entry arrays. Above `_compiled.COMPILED_ACTIONS` a compiled worklist (numba, when
+installed) visits each action once instead: a rank runs until an input is missing, parks on
+the action that produces it, and is woken when that action ends. Below it the NumPy path is
+cheaper than importing numba.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
-
 import numpy as np
 
-__all__ = ["COMPILED_ACTIONS", "run_in_rank_order"]
+from hpcpipe.schedules import _compiled
 
-COMPILED_ACTIONS = 1 << 20
-"""Schedules with at least this many compute actions are timed by the compiled worklist."""
-
-_kernel: Any = None
-
-
-def _compiled() -> Any:
-    """The numba worklist, compiled on first use (or loaded from numba's cache); None when
-    numba is not installed."""
-    global _kernel
-    if _kernel is None:
-        if importlib.util.find_spec("numba") is None:
-            _kernel = False
-        else:
-            from hpcpipe.schedules._rank_order_numba import worklist
-
-            _kernel = worklist
-    return _kernel or None
+__all__ = ["run_in_rank_order"]
 
 
 def run_in_rank_order(
@@ -58,8 +38,8 @@ def run_in_rank_order(
     """
     n = dep.size
     if compiled is None:
-        compiled = n >= COMPILED_ACTIONS
-    kernel = _compiled() if compiled else None
+        compiled = _compiled.wanted(n)
+    kernel = _compiled.kernel("_rank_order_numba", "worklist") if compiled else None
     if kernel is not None:
         start = np.empty(n)
         end = np.empty(n + 1)

@@ -249,7 +249,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     change = np.outer(arrays["activation"], share)  # (stage, kind) -> activation change
     live = change[table.stage, table.kind]
     np.cumsum(live, out=live)
-    base = np.concatenate(([0.0], live))[table.offsets[:-1]]
+    starts = table.offsets[:-1]
+    base = np.zeros(starts.size)  # the running total before each rank's first action
+    later = starts > 0
+    base[later] = live[starts[later] - 1]
     peak = np.maximum(_segment(np.maximum.reduceat, live, table.offsets, 0.0) - base, 0.0)
     del live
     busy = np.bincount(table.rank, weights=dur, minlength=schedule.num_ranks)

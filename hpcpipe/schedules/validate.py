@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpcpipe.schedules import _compiled
 from hpcpipe.schedules._table import ComputeTable, compute_table, index_dtype, step_of
 from hpcpipe.schedules.errors import ScheduleError
 from hpcpipe.schedules.ir import Kind, Schedule
-from hpcpipe.schedules.lower import lower_with_times, relocated
+from hpcpipe.schedules.lower import lower_with_times
 from hpcpipe.schedules.simulate import run_rounds
 
 __all__ = ["SEND_MODES", "validate"]
@@ -57,8 +58,8 @@ def validate(schedule: Schedule, *, sends: str = "nonblocking", lookahead: int =
     if schedule.is_lowered:
         lowered, unit_end = schedule, None
     else:
-        lowered, unit_end = lower_with_times(table)
-        table = relocated(table, lowered)
+        table, unit_end = lower_with_times(table)
+        lowered = table.schedule
     partner = _check_messages(lowered, table, unit_end, sends == "blocking")
     if partner is not None:
         try:
@@ -82,6 +83,8 @@ def _check_messages(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Steps 3 to 5 on a lowered schedule (`table` positions refer to `sched`); with
     `partners`, return (positions of the messages, index of each one's other end)."""
+    if unit_end is not None and not partners and _compiled_adjacent(sched, table):
+        return None  # our own lowering, every message right where the lowering puts it
     S, m = sched.num_stages, sched.num_microbatches
     cpos = np.flatnonzero(sched.kinds >= Kind.SEND_F)
     ck = sched.kinds[cpos] - np.int8(Kind.SEND_F)  # 0 SEND_F, 1 RECV_F, 2 SEND_B, 3 RECV_B
@@ -117,11 +120,7 @@ def _check_messages(
     slot += lut[ck]
     del ck
     n_tid = 2 * S * m
-    rank_of = sched.rank_of_stage
-    need_f = np.zeros(S, dtype=bool)
-    need_f[:-1] = rank_of[:-1] != rank_of[1:]
-    need_b = np.zeros(S, dtype=bool)
-    need_b[1:] = rank_of[1:] != rank_of[:-1]
+    need_f, need_b = _crossings(sched)
     need = np.repeat(np.concatenate([need_f, need_b]), 2 * m)  # per slot
     # Scatter messages into their slots; read back to find duplicates; empty needed slots are
     # missing messages, filled unneeded ones are messages nothing waits for.
@@ -181,6 +180,45 @@ def _check_messages(
     if not proven:
         _nonblocking_run(sched, cpos, partner)
     return (cpos, partner) if partners else None
+
+
+def _crossings(sched: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage: whether its forward output, and its gradient, go to another rank."""
+    rank_of = sched.rank_of_stage
+    need_f = np.zeros(sched.num_stages, dtype=bool)
+    need_f[:-1] = rank_of[:-1] != rank_of[1:]
+    need_b = np.zeros(sched.num_stages, dtype=bool)
+    need_b[1:] = rank_of[1:] != rank_of[:-1]
+    return need_f, need_b
+
+
+def _compiled_adjacent(sched: Schedule, table: ComputeTable) -> bool:
+    """Steps 3 and 4 for a large schedule in one compiled pass (`_messages_numba.adjacent`),
+    true when every message is right and next to its action (then the certificate of step 5
+    holds, see `_ordered_in_time`); false, also without numba or for a small schedule, sends
+    it through the NumPy check, which reports any problem."""
+    if not _compiled.wanted(table.n):
+        return False
+    adjacent = _compiled.kernel("_messages_numba", "adjacent")
+    if adjacent is None:
+        return False
+    S, m = sched.num_stages, sched.num_microbatches
+    need_f, need_b = _crossings(sched)
+    at = np.full(4 * S * m, -1, dtype=index_dtype(sched.num_actions))
+    return bool(
+        adjacent(
+            sched.kinds,
+            sched.stages,
+            sched.microbatches,
+            table.pos,
+            table.f_at,
+            table.b_at,
+            need_f,
+            need_b,
+            m,
+            at,
+        )
+    )
 
 
 def _check_channel_order(

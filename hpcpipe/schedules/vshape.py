@@ -157,20 +157,29 @@ def repeat_block(name: str, p: int, m: int, offsets: np.ndarray, params=()) -> S
             times = offsets[kind, s][:, None] + PERIOD * i[None, :]
             codes = (kind * stages + s)[:, None] * m + i[None, :]
             grid[np.arange(p)[:, None], times] = codes
-    codes = grid[grid >= 0].astype(np.int64)
-    counts = np.count_nonzero(grid >= 0, axis=1)
+    taken = grid >= 0
+    codes = grid[taken]
+    counts = np.count_nonzero(taken, axis=1)
+    del grid, taken
     offsets_r = np.zeros(p + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets_r[1:])
-    km, mb = np.divmod(codes, m)
-    kind, stage = np.divmod(km, stages)
+    km, mb = np.divmod(codes, code_t(m))  # in the codes' own width: half the traffic
+    kind, stage = np.divmod(km, code_t(stages))
+    arrays = (
+        kind.astype(np.int8),
+        stage.astype(np.int32, copy=False),
+        mb.astype(np.int32, copy=False),
+    )
+    for arr in arrays:
+        arr.flags.writeable = False  # fresh and ours: the Schedule need not copy them
     return Schedule(
         name=name,
         stages_of_rank=tuple(tuple(int(x) for x in row) for row in placement),
         num_microbatches=m,
         offsets=offsets_r,
-        kinds=kind.astype(np.int8),  # F, B, W codes are 0, 1, 2
-        stages=stage.astype(np.int32),
-        microbatches=mb.astype(np.int32),
+        kinds=arrays[0],  # F, B, W codes are 0, 1, 2
+        stages=arrays[1],
+        microbatches=arrays[2],
         params=tuple(params),
     )
 

@@ -10,6 +10,7 @@ from hpcpipe.schedules import (
     SCHEDULE_NAMES,
     Schedule,
     ScheduleError,
+    _compiled,
     _rank_order,
     build_schedule,
     simulate,
@@ -76,7 +77,7 @@ def test_a_cycle_stops_both_paths_at_the_same_actions(monkeypatch):
     np.testing.assert_array_equal(stuck[0], stuck[1])
     messages = []
     for threshold in (0, 1 << 40):  # every schedule compiled, then none
-        monkeypatch.setattr(_rank_order, "COMPILED_ACTIONS", threshold)
+        monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", threshold)
         with pytest.raises(ScheduleError, match="dependency cycle") as info:
             simulate(sched)
         messages.append(str(info.value))

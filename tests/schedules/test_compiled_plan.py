@@ -1,0 +1,181 @@
+"""The compiled planning passes that large schedules take (the structure check, the lowering's
+placement, the message check) give the NumPy paths' answers bit for bit, and every broken
+schedule the same error."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+from hpcpipe.schedules import (
+    SCHEDULE_NAMES,
+    Kind,
+    Schedule,
+    ScheduleError,
+    _compiled,
+    build_schedule,
+    from_csv,
+    lower,
+    simulate,
+    to_csv,
+    validate,
+)
+from hpcpipe.schedules._table import _build_table, compute_table
+
+pytest.importorskip("numba")
+
+lowering = importlib.import_module("hpcpipe.schedules.lower")
+validation = importlib.import_module("hpcpipe.schedules.validate")
+table_module = importlib.import_module("hpcpipe.schedules._table")
+ALL, NONE = 0, 1 << 40  # thresholds: every schedule compiled, then none
+
+
+def _cases():
+    for name in SCHEDULE_NAMES:
+        for p, m in ((2, 4), (4, 8), (5, 10), (8, 16)):
+            for kw in ({}, {"pairs": True}) if name == "dualpipe-v" else ({},):
+                try:
+                    yield (
+                        f"{name}-{p}-{m}{'-pairs' if kw else ''}",
+                        build_schedule(name, p, m, **kw),
+                    )
+                except ValueError:
+                    continue
+
+
+CASES = list(_cases())
+
+
+def _arrays(sched: Schedule) -> tuple:
+    return (sched.offsets, sched.kinds, sched.stages, sched.microbatches, sched.pairs)
+
+
+def _same(a: tuple, b: tuple) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("label,sched", CASES, ids=[c[0] for c in CASES])
+def test_compiled_table_and_placement_equal_the_numpy_ones(label, sched):
+    kernel = _compiled.kernel("_table_numba", "dependencies")
+    ours = table_module._compiled_table(sched, kernel)
+    assert ours is not None
+    theirs = _build_table(sched)
+    for field in ("pos", "kind", "stage", "mb", "rank", "offsets", "f_at", "b_at", "dep", "cross"):
+        x, y = getattr(ours, field), getattr(theirs, field)
+        assert x.dtype == y.dtype, field
+        np.testing.assert_array_equal(x, y, err_msg=field)
+    for field in ("pair_dep", "pair_cross", "timed_dep"):
+        x, y = getattr(ours, field), getattr(theirs, field)
+        assert (x is None) == (y is None)
+        if x is not None:
+            np.testing.assert_array_equal(x, y, err_msg=field)
+    placed, pos = lowering._place_compiled(theirs, _compiled.kernel("_lower_numba", "place"))
+    numpy_placed, numpy_pos = lowering._place(theirs)
+    _same((*_arrays(placed), pos), (*_arrays(numpy_placed), numpy_pos))
+    _same((pos,), (np.flatnonzero(placed.kinds < Kind.SEND_F),))
+
+
+@pytest.mark.parametrize("label,sched", CASES, ids=[c[0] for c in CASES])
+def test_validate_and_simulate_compiled_equal_numpy(label, sched, monkeypatch):
+    answers = []
+    for threshold in (ALL, NONE):
+        monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", threshold)
+        table_module._last.clear()
+        lowered = validate(sched)
+        answers.append((_arrays(lowered), simulate(sched).end, simulate(lowered).end))
+    _same(answers[0][0], answers[1][0])
+    np.testing.assert_array_equal(answers[0][1], answers[1][1])
+    np.testing.assert_array_equal(answers[0][2], answers[1][2])
+
+
+@pytest.mark.parametrize("label,sched", CASES, ids=[c[0] for c in CASES])
+def test_the_compiled_message_check_passes_the_lowerings_own_placement(label, sched):
+    lowered = lower(sched)
+    table = table_module._build_table(lowered)
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as patch:
+        patch.setattr(_compiled, "COMPILED_ACTIONS", ALL)
+        # a pair's messages sit around the whole pair, not next to their half: NumPy proves it
+        assert validation._compiled_adjacent(lowered, table) == (not sched.pairs.size)
+
+
+ONE_F_ONE_B = [
+    ["0F0", "0F1", "0BW0", "0BW1"],
+    ["1F0", "1BW0", "1F1", "1BW1"],
+]
+
+
+def _v_turnaround_swapped() -> tuple[list, dict]:
+    s = build_schedule("zb-v", 2, 2)
+    rows = [[str(a) for a in r] for r in s.actions]
+    i, j = rows[1].index("1F0"), rows[1].index("2F0")
+    rows[1][i], rows[1][j] = rows[1][j], rows[1][i]
+    return rows, {"stages_of_rank": s.stages_of_rank}
+
+
+BROKEN = {
+    "missing W": ([["0F0", "0B0", "0W0"], ["1F0", "1B0"]], {}),
+    "B before F": ([["0F0", "0F1", "0BW0", "0BW1"], ["1F0", "1BW1", "1F1", "1BW0"]], {}),
+    "W before B": ([["0F0", "0B0", "0W0"], ["1F0", "1W0", "1B0"]], {}),
+    "duplicate F": ([["0F0", "0F0", "0BW0"]], {}),
+    "missing F": ([["0F0", "0BW0", "0BW1"]], {"num_microbatches": 2}),
+    "fused and split": ([["0F0", "0BW0", "0W0"]], {}),
+    "wrong rank": ([["0F0", "1F0", "0BW0"], ["1BW0"]], {"stages_of_rank": [(0,), (1,)]}),
+    "V turnaround": _v_turnaround_swapped(),
+    "cycle": ([["0F0", "0BW0", "0F1", "0BW1"], ["1F0", "1F1", "1BW0", "1BW1"]], {}),
+}
+
+
+@pytest.mark.parametrize("rows,kw", BROKEN.values(), ids=BROKEN.keys())
+def test_broken_schedules_fail_alike_on_both_paths(rows, kw, monkeypatch):
+    sched = Schedule.from_actions(rows, **kw)
+    kernel = _compiled.kernel("_table_numba", "dependencies")
+    if rows is not BROKEN["cycle"][0]:  # a cycle has a sound structure: the timing finds it
+        assert table_module._compiled_table(sched, kernel) is None
+    messages = []
+    for threshold in (ALL, NONE):
+        monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", threshold)
+        table_module._last.clear()
+        with pytest.raises(ScheduleError) as info:
+            validate(sched)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def _misplaced() -> dict[str, str]:
+    ok = to_csv(lower(Schedule.from_actions(ONE_F_ONE_B)))
+    v = to_csv(lower(build_schedule("zb-v", 2, 2)))
+    sends = ok.replace("1RECV_F0,1F0", "1F0,1RECV_F0")
+    return {
+        "received late": sends,
+        "sent early": ok.replace("0F1,0SEND_F1", "0SEND_F1,0F1"),
+        "no receive": ok.replace("1RECV_F1,", ""),
+        "twice": ok.replace("0SEND_F1,", "0SEND_F1,0SEND_F1,"),
+        "off the end": ok.replace("0F0,", "0RECV_F0,0F0,", 1),
+        "same rank": v.replace("1F0,", "1F0,1SEND_F0,", 1).replace("2F0,", "2RECV_F0,2F0,", 1),
+        "no pair": ok.replace("0SEND_F1,", "").replace("1RECV_F1,", ""),
+        "channel order": ok.replace("0SEND_F0,0F1,0SEND_F1", "0F1,0SEND_F1,0SEND_F0"),
+    }
+
+
+@pytest.mark.parametrize("text", _misplaced().values(), ids=_misplaced().keys())
+def test_the_compiled_message_check_doubts_every_broken_message(text, monkeypatch):
+    sched = from_csv(text)
+    table = compute_table(sched)
+    monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", ALL)
+    assert not validation._compiled_adjacent(sched, table)
+    with pytest.raises(ScheduleError):
+        validation._check_messages(sched, table, np.zeros(table.n, dtype=np.int64))
+
+
+def test_without_numba_every_pass_takes_numpy(monkeypatch):
+    sched = build_schedule("zb-v", 4, 8)
+    expected = _arrays(validate(sched))
+    monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", ALL)
+    monkeypatch.setattr(_compiled, "kernel", lambda module, name: None)
+    table_module._last.clear()
+    _same(_arrays(validate(sched)), expected)
