@@ -6,7 +6,7 @@ import functools
 import itertools
 
 import pytest
-from test_cost import _work
+from test_layout_cost import _work
 
 from hpcpipe.layout.cost import Layout, Workload, layout_cost, predict
 from hpcpipe.layout.machine import Link, Machine
