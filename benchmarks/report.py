@@ -62,13 +62,16 @@ def stale() -> list[str]:
 
 def changes_since(commit: str) -> int | None:
     """Commits after `commit` that touch the code a figure describes (None: unknown commit):
-    hpcpipe/ and the benchmark scripts, not the results or this writer."""
+    hpcpipe/ and the benchmark scripts, not the results or this writer. A commit whose
+    message has the trailer line `Figures: unchanged (why)` is not counted: its author states
+    that it cannot move a figure (an import rewritten, a comment), and says why, in the
+    history where anyone can check it."""
     try:
         out = subprocess.run(
             [
                 "git",
-                "rev-list",
-                "--count",
+                "log",
+                "--format=%H%x00%B%x01",
                 f"{commit}..HEAD",
                 "--",
                 "hpcpipe",
@@ -83,7 +86,14 @@ def changes_since(commit: str) -> int | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return int(out.stdout) if out.returncode == 0 and out.stdout.strip().isdigit() else None
+    if out.returncode != 0:
+        return None
+    entries = [e for e in out.stdout.split("\x01") if e.strip()]
+    return sum(not UNCHANGED.search(e.partition("\x00")[2]) for e in entries)
+
+
+UNCHANGED = re.compile(r"^Figures: unchanged \(.+\)\s*$", re.MULTILINE)
+"""The commit-message trailer of a change that cannot move any figure (see `changes_since`)."""
 
 
 def table_block(name: str) -> str:
