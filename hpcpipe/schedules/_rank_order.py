@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcpipe.schedules import _compiled
+import hpcpipe.schedules._compiled as _compiled
 
 __all__ = ["run_in_rank_order"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hpcpipe.schedules import _compiled
+import hpcpipe.schedules._compiled as _compiled
 from hpcpipe.schedules.errors import ScheduleError
 from hpcpipe.schedules.ir import Kind, Schedule
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hpcpipe.schedules import _compiled
+import hpcpipe.schedules._compiled as _compiled
 from hpcpipe.schedules._table import ComputeTable, compute_table
 from hpcpipe.schedules.ir import Kind, Schedule
 from hpcpipe.schedules.simulate import run_rounds

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcpipe.schedules import _compiled
+import hpcpipe.schedules._compiled as _compiled
 from hpcpipe.schedules._table import ComputeTable, compute_table, index_dtype, step_of
 from hpcpipe.schedules.errors import ScheduleError
 from hpcpipe.schedules.ir import Kind, Schedule
