@@ -144,3 +144,18 @@ def test_commands_in_deck_headers_are_accepted(deck, args, ranks):
         env=clean_environ(),
     )
     assert proc.returncode == 0, f"{deck}: hpcpipe {' '.join(args)}\n{proc.stderr}"
+
+
+def test_only_an_explained_trailer_keeps_figures_current():
+    """`Figures: unchanged (why)` on its own line exempts a commit from staleness; nothing
+    else does (no reason, or the words inside a sentence)."""
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec.loader.exec_module(report)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert report.UNCHANGED.search("Fix imports\n\nFigures: unchanged (same module bound)\n")
+    assert not report.UNCHANGED.search("Fix imports\n\nFigures: unchanged\n")
+    assert not report.UNCHANGED.search("we hope Figures: unchanged (really) holds\n")
