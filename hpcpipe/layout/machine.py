@@ -112,25 +112,30 @@ def _fit_p2p(rows: list[dict[str, Any]], path: str, source: str, key: str) -> tu
     return latency, bandwidth
 
 
+def _result(path: str, kinds: tuple[str, ...], what: str, source: str, key: str) -> dict:
+    """A `hpcpipe bench ... --json` result of one of `kinds`, or a ConfigError saying why not."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(source, key, f"{path} cannot be read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ConfigError(source, key, f"{path} is not JSON: {exc}") from None
+    bench = data.get("benchmark") if isinstance(data, dict) else None
+    if bench not in kinds:
+        raise ConfigError(
+            source, key, f"{path} is not a --json result of {what} (benchmark = {bench!r})"
+        )
+    return data
+
+
 def _calibrate(paths: tuple[str, ...], source: str, key: str) -> dict[str, float]:
     """The link figures the named bench results measure."""
     found: dict[str, float] = {}
     for path in paths:
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(source, key, f"{path} cannot be read: {exc.strerror}") from None
-        except ValueError as exc:
-            raise ConfigError(source, key, f"{path} is not JSON: {exc}") from None
-        bench = data.get("benchmark") if isinstance(data, dict) else None
-        rows = data.get("rows") if isinstance(data, dict) else None
-        if bench not in ("p2p", "alltoall") or not rows:
-            raise ConfigError(
-                source,
-                key,
-                f"{path} is not a result of `hpcpipe bench p2p` or `hpcpipe bench alltoall "
-                f"--json` (benchmark = {bench!r})",
-            )
+        data = _result(path, ("p2p", "alltoall"), "`hpcpipe bench p2p` or `alltoall`", source, key)
+        bench, rows = data["benchmark"], data.get("rows")
+        if not rows:
+            raise ConfigError(source, key, f"{path} holds no rows (rerun the benchmark)")
         try:
             if bench == "p2p":
                 found["latency"], found["bandwidth"] = _fit_p2p(rows, path, source, key)
@@ -196,19 +201,9 @@ def _compute_rate(paths: tuple[str, ...], source: str, key: str) -> float:
 
     rates = []
     for path in paths:
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(source, key, f"{path} cannot be read: {exc.strerror}") from None
-        except ValueError as exc:
-            raise ConfigError(source, key, f"{path} is not JSON: {exc}") from None
-        if not isinstance(data, dict) or data.get("benchmark") != "pipeline":
-            raise ConfigError(
-                source,
-                key,
-                f"{path} is not a result of `hpcpipe bench pipeline --json` on the real model "
-                f"(benchmark = {data.get('benchmark') if isinstance(data, dict) else None!r})",
-            )
+        data = _result(
+            path, ("pipeline",), "`hpcpipe bench pipeline` (the real model)", source, key
+        )
         params, ranks = data.get("params", {}), data.get("machine", {}).get("ranks")
         try:
             deck = load_config(

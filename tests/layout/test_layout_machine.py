@@ -72,7 +72,7 @@ def test_calibration_from_shipped_bench_results():
     [
         (None, "cannot be read"),
         ("{not json", "is not JSON"),
-        ('{"benchmark": "sweep", "rows": [{}]}', "not a result of `hpcpipe bench p2p`"),
+        ('{"benchmark": "sweep", "rows": [{}]}', "not a --json result of `hpcpipe bench p2p`"),
         ('{"benchmark": "p2p", "rows": [{"bytes": 1, "mailbox_us": 2}]}', "two or more growing"),
         ('{"benchmark": "p2p", "rows": [{"bytes": 1}]}', "rows lack the column 'raw_us'"),
         ('{"benchmark": "alltoall", "rows": [{"size": 1}]}', "rows lack"),
