@@ -102,10 +102,11 @@ def _prepare_output(
     """Rank 0 creates the run directories and writes config.toml; then one rank per node checks
     it can write there. Any failure (a file in the way, read-only or full file system, no
     permission) is bad input naming the key, raised on every rank before any work."""
+    from hpcpipe.mpi.idle import idle_bcast
     from hpcpipe.preflight import check_output, prepare_output
 
     mine = prepare_output(config, resume=resume, overwrite=overwrite) if world.rank == 0 else None
-    problem = world.bcast(mine, root=0)
+    problem = idle_bcast(mine, world, root=0)
     if problem is None and node_comm.rank == 0 and world.rank != 0:
         problem = check_output(config)
     found = [p for p in world.allgather(problem) if p is not None]
@@ -158,6 +159,7 @@ def _start_and_run(config: Config, watchdog: Watchdog, options: RunOptions) -> i
     from mpi4py import MPI
 
     from hpcpipe.mpi.comms import build_comms, discover_nodes
+    from hpcpipe.mpi.idle import idle_barrier
     from hpcpipe.preflight import check_deck, slurm_nodes_warning
 
     maybe_fail("startup")
@@ -224,7 +226,7 @@ def _start_and_run(config: Config, watchdog: Watchdog, options: RunOptions) -> i
     ctx.watchdog = watchdog
     workload(ctx)
     with watchdog.phase("the final barrier", lambda: "MPI_Barrier after the workload"):
-        world.Barrier()
+        idle_barrier(world)  # some ranks finish long before others (rank 0 writes the outputs)
     ctx.log(f"done in {time.perf_counter() - ctx.started:.2f}s")
     comms.free()
     return 0

@@ -1,4 +1,5 @@
-"""The package's layering, checked statically: one MPI layer, no import cycles."""
+"""The package's layering, checked statically: one MPI layer, no import cycles, no import of a
+name that does not exist."""
 
 from __future__ import annotations
 
@@ -66,3 +67,52 @@ def test_no_import_cycles():
         if m not in state:
             cycle = visit(m)
             assert cycle is None, " -> ".join(cycle)
+
+
+def _top_level_names(tree: ast.Module) -> set[str] | None:
+    """Names a module binds at its top level (None: a module `__getattr__` makes any name)."""
+    names: set[str] = set()
+    if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
+        return None
+    for node in tree.body:
+        stack = [node]
+        while stack:  # top level includes the bodies of if/try/with (TYPE_CHECKING, fallbacks)
+            n = stack.pop()
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(n.name)
+            elif isinstance(n, ast.Import | ast.ImportFrom):
+                names.update((a.asname or a.name).split(".")[0] for a in n.names)
+            elif isinstance(n, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                for t in targets:
+                    names.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+            elif isinstance(n, ast.If | ast.Try | ast.With | ast.For):
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    stack.extend(getattr(n, field, []))
+            elif isinstance(n, ast.ExceptHandler):
+                stack.extend(n.body)
+    return names
+
+
+def test_every_imported_name_exists():
+    """`from hpcpipe.x import name` (in the package, its tests and benchmarks) names something x
+    defines, also for the imports done lazily inside functions, which only the code path that
+    runs them would otherwise catch."""
+    modules = _modules()
+    trees = {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in modules.items()}
+    defined = {m: _top_level_names(t) for m, t in trees.items()}
+    importers = {str(p.relative_to(ROOT)): trees[m] for m, p in modules.items()}
+    for folder in ("tests", "benchmarks"):  # what the tests and benchmarks import of hpcpipe
+        for path in (ROOT / folder).rglob("*.py"):
+            importers[str(path.relative_to(ROOT))] = ast.parse(path.read_text(encoding="utf-8"))
+    missing = []
+    for where, tree in importers.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.module in modules):
+                continue
+            have = defined[node.module]
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if have is not None and alias.name not in have and sub not in modules:
+                    missing.append(f"{where}:{node.lineno}: {sub}")
+    assert missing == [], "imported names that do not exist:\n" + "\n".join(missing)

@@ -31,10 +31,11 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from hpcpipe.bench.harness import idle_barrier, median
+from hpcpipe.bench.harness import median
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.config import ConfigError
 from hpcpipe.io.checkpoint import ShardSpec, block_index, load_checkpoint, save_checkpoint
+from hpcpipe.mpi.idle import idle_barrier
 
 __all__ = ["run"]
 

@@ -3,9 +3,8 @@
 Methods that a table compares run interleaved in the same job (each repetition rotates their
 order), so drift and the load of other processes hit them alike and their ratio is measured per
 repetition; each repetition's figure is its median call, and the reported figure is the median
-over repetitions. Ranks that have nothing to do
-wait in `idle_barrier`, which sleeps instead of spinning in MPI, so they leave their core to
-the ranks being timed.
+over repetitions. Ranks that have nothing to do wait in `hpcpipe.mpi.idle.idle_barrier`, which
+sleeps instead of spinning in MPI, so they leave their core to the ranks being timed.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["compare", "idle_barrier", "iterations", "machine", "median"]
+__all__ = ["compare", "iterations", "machine", "median"]
 
 
 def iterations(nbytes: int, budget: int, lo: int, hi: int) -> int:
@@ -66,13 +65,6 @@ def compare(
 def median(values: Any) -> float:
     arr = np.asarray(values, dtype=np.float64)
     return float(np.median(arr)) if arr.size else float("nan")
-
-
-def idle_barrier(comm: MPI.Comm, poll_s: float = 1e-3) -> None:
-    """A barrier that sleeps while it waits (MPI's own would spin a core at 100%)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(poll_s)
 
 
 def _cpu_model() -> str:

@@ -45,10 +45,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hpcpipe.bench.harness import idle_barrier, median
+from hpcpipe.bench.harness import median
 from hpcpipe.bench.table import Column, Report
 from hpcpipe.config import ConfigError
 from hpcpipe.console import say
+from hpcpipe.mpi.idle import idle_barrier
 from hpcpipe.sweep.blocking import KERNEL_COSTS, SweepCost, predict_makespan
 from hpcpipe.sweep.config import SweepConfig
 from hpcpipe.sweep.kernel import resolve_kernel

@@ -20,8 +20,8 @@ from typing import Any
 from mpi4py import MPI
 
 from hpcpipe.backend import make_backend
-from hpcpipe.bench.harness import idle_barrier
 from hpcpipe.config import Config, ConfigError, load_config
+from hpcpipe.mpi.idle import idle_barrier
 from hpcpipe.preflight import build_rankmap
 from hpcpipe.runtime import RunContext
 from hpcpipe.train.pipeline import PipelineRank, StepResult

@@ -461,6 +461,8 @@ def write_trace(
     """
     import h5py
 
+    from hpcpipe.mpi.idle import idle_bcast
+
     path = Path(path)
     recorder.align_clock(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -499,7 +501,7 @@ def write_trace(
     if not gathered:
         comm.Barrier()  # rank 0 has read every shard (or failed): each rank removes its own
         shard.unlink(missing_ok=True)
-    error = comm.bcast(error, root=0)
+    error = idle_bcast(error, comm, root=0)  # rank 0 may spend a while writing the file
     if error:
         raise OSError(f"write_trace: {error}")
     return path

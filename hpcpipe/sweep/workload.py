@@ -21,6 +21,7 @@ from hpcpipe.io.trace import EventKind, Recorder, write_trace
 from hpcpipe.io.trace_config import TraceConfig
 from hpcpipe.jobcontrol import StopSignal, find_checkpoint, write_status
 from hpcpipe.mpi import Comm
+from hpcpipe.mpi.idle import idle_barrier
 from hpcpipe.mpi.watchdog import Watchdog
 from hpcpipe.sweep import checkpointing, compiled
 from hpcpipe.sweep.blocking import describe_blocking
@@ -184,7 +185,7 @@ def run_sweep(
         )
         write_status(output, state, result.iterations, control.last)
     sweeper.free()
-    comm.Barrier()
+    idle_barrier(comm)  # rank 0 writes flux.h5 and status.json
     if not result.converged and not result.stopped:
         raise ConvergenceError(result.message)
     return result

@@ -25,6 +25,7 @@ from hpcpipe.model.models import boundary_shape, build_model
 from hpcpipe.model.stage import Stage
 from hpcpipe.moe import summarize_stats
 from hpcpipe.mpi.collectives import allreduce, exchange_objects
+from hpcpipe.mpi.idle import idle_barrier
 from hpcpipe.mpi.p2p import TagLimitError
 from hpcpipe.runtime import RunContext
 from hpcpipe.schedules.ir import Schedule
@@ -531,7 +532,7 @@ class Trainer:
             )
         elif verify and ctx.rank == 0:
             _verify(ctx, self.history["loss"], final, self.m)
-        ctx.comms.world.Barrier()
+        idle_barrier(ctx.comms.world)  # rank 0 writes metrics and retrains the reference
         self.runner.free()
         if self.group is not None:
             self.group.free()
