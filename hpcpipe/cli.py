@@ -203,6 +203,14 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
         help="write the schedule the deck resolves to (the search's choice for 'auto') as CSV, "
         "to inspect, edit and run with pipeline.schedule = 'csv'",
     )
+    p.add_argument(
+        "--flush-free",
+        default=None,
+        choices=("stash", "2bw"),
+        help="the deck's schedule run as a stream without a flush: weight versions, gradient "
+        "delay and steady state against the flushed step (stash: an update per microbatch; "
+        "2bw: per global batch, two weight versions); --png draws the stream",
+    )
     p.add_argument("--show-config", action="store_true", help="print the resolved deck too")
     # schedule search (issue 14): the makespan vs peak-memory front
     p.add_argument(
@@ -260,6 +268,7 @@ def _execute_plan(args: argparse.Namespace) -> int:
             ("--compare", args.compare),
             ("--pareto", args.pareto),
             ("--csv", args.csv),
+            ("--flush-free", args.flush_free),
         ):
             if used or (flag == "--pareto" and args.pareto_png):
                 raise ConfigError(
@@ -275,6 +284,8 @@ def _execute_plan(args: argparse.Namespace) -> int:
     pareto = args.pareto or args.pareto_png is not None  # schedule search (issue 14)
     if args.csv and pipeline is None:
         raise ConfigError("--csv", "", "writes the pipeline schedule; this deck has no [pipeline]")
+    if args.flush_free:
+        return _flush_free_plan(config, rankmap.pp, args)
     if pipeline is not None and (
         config.run.workload == "train" or args.png or args.compare or pareto or args.csv
     ):
@@ -296,6 +307,23 @@ def _execute_plan(args: argparse.Namespace) -> int:
         if config.run.workload == "train" and not (args.compare or pareto or args.csv):
             print()
             print(_partition_text(config, rankmap.pp))
+    return 0
+
+
+def _flush_free_plan(config: Config, pp: int, args: argparse.Namespace) -> int:
+    """`plan --flush-free MODE`: the deck's schedule without a flush, instead of its step."""
+    from hpcpipe.schedules.flushfree_report import flush_free_report
+
+    pipeline = config.sections.get("pipeline")
+    if pipeline is None:
+        raise ConfigError("--flush-free", "", "plans a pipeline; this deck has no [pipeline]")
+    for flag, used in (("--compare", args.compare), ("--pareto", args.pareto or args.pareto_png)):
+        if used:
+            raise ConfigError(flag, "", "compares flushed steps; drop it or --flush-free")
+    if args.csv:
+        raise ConfigError("--csv", "", "writes a flushed step's schedule; drop it or --flush-free")
+    print()
+    print(flush_free_report(pipeline, pp, args.flush_free, png=args.png, source=config.source))
     return 0
 
 
