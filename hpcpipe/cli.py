@@ -284,8 +284,10 @@ def _execute_plan(args: argparse.Namespace) -> int:
     pareto = args.pareto or args.pareto_png is not None  # schedule search (issue 14)
     if args.csv and pipeline is None:
         raise ConfigError("--csv", "", "writes the pipeline schedule; this deck has no [pipeline]")
-    if args.flush_free:
-        return _flush_free_plan(config, rankmap.pp, args)
+    deck_mode = config.sections["async"].mode  # a deck that trains without a flush shows it
+    mode = args.flush_free or (deck_mode if deck_mode != "sync" else None)
+    if mode:
+        return _flush_free_plan(config, rankmap.pp, mode, args)
     if pipeline is not None and (
         config.run.workload == "train" or args.png or args.compare or pareto or args.csv
     ):
@@ -310,8 +312,9 @@ def _execute_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flush_free_plan(config: Config, pp: int, args: argparse.Namespace) -> int:
-    """`plan --flush-free MODE`: the deck's schedule without a flush, instead of its step."""
+def _flush_free_plan(config: Config, pp: int, mode: str, args: argparse.Namespace) -> int:
+    """`plan --flush-free MODE` (or a deck's `async.mode`): the deck's schedule without a
+    flush, instead of its step."""
     from hpcpipe.schedules.flushfree_report import flush_free_report
 
     pipeline = config.sections.get("pipeline")
@@ -323,7 +326,7 @@ def _flush_free_plan(config: Config, pp: int, args: argparse.Namespace) -> int:
     if args.csv:
         raise ConfigError("--csv", "", "writes a flushed step's schedule; drop it or --flush-free")
     print()
-    print(flush_free_report(pipeline, pp, args.flush_free, png=args.png, source=config.source))
+    print(flush_free_report(pipeline, pp, mode, png=args.png, source=config.source))
     return 0
 
 

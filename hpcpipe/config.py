@@ -285,6 +285,7 @@ _SECTIONS: dict[str, str | type] = {
     "sweep": "hpcpipe.sweep.config:SweepConfig",
     "train": "hpcpipe.train.settings:TrainConfig",
     "replan": "hpcpipe.train.replan:ReplanConfig",
+    "async": "hpcpipe.train.async_config:AsyncConfig",
     "moe": "hpcpipe.moe.config:MoEConfig",
     "checkpoint": "hpcpipe.io.ckpt_config:CheckpointConfig",
     "trace": "hpcpipe.io.trace_config:TraceConfig",

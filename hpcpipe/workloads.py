@@ -16,7 +16,7 @@ __all__ = ["WORKLOADS", "workload_check", "workload_run"]
 
 WORKLOADS: dict[str, tuple[str, str | None]] = {
     "topology": ("hpcpipe.topology_check:run", None),
-    "train": ("hpcpipe.train.workload:run", "hpcpipe.train.checks:check"),
+    "train": ("hpcpipe.train.entry:run", "hpcpipe.train.checks:check"),
     "sweep": ("hpcpipe.sweep.workload:run", "hpcpipe.sweep.checks:check"),
 }
 """Workload name -> (`module:function(ctx)` that runs it, `module:function(config, rankmap,

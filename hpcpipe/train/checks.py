@@ -21,6 +21,10 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
 
     source = config.source
     check_paths(config)
+    if config.sections["async"].mode != "sync":
+        from hpcpipe.train.flushfree_checks import check_flush_free
+
+        check_flush_free(config, rankmap)
     schedule, lowered = runnable_schedule(config.pipeline, rankmap.pp, source)
     if config.train.sends == "blocking":
         _check_blocking(lowered, config)
