@@ -132,6 +132,7 @@ SUMMARY = (
     "moe_alltoall",
     "pipeline_step",
     "pipeline_synthetic",
+    "flushfree",
     "sweep_grind",
     "plan_scale",
     "layout_search",

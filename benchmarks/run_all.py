@@ -23,6 +23,7 @@ FIGURES = (
     "pipeline_synthetic",
     "pipeline_pairs",
     "replan",
+    "flushfree",
     "allreduce_overlap",
     "memory_peak",
     "sweep_grind",

@@ -108,7 +108,9 @@ def run_flush_free(ctx: RunContext) -> None:
             f"stream: {total} microbatches in {seconds:.2f} s, tok/s={tokens / seconds:.0f}, "
             f"rank 0 busy {result.compute_time / seconds:.1%} of it"
         )
-        _write_metrics(ctx.output / "metrics.h5", {"loss": losses}, cfg)
+        _write_metrics(
+            ctx.output / "metrics.h5", {"loss": losses}, cfg, timing={"stream_s": seconds}
+        )
     final = _gather_params(ctx, runner.params, ctx.rankmap.coords(ctx.rank))
     if cfg.train.verify and ctx.rank == 0:
         _verify(ctx, plan, ranges, losses, final)
