@@ -135,7 +135,9 @@ def main() -> None:
     )
     print(report.render())
     path = report.write(
-        RESULTS / f"{FIGURE}.json", machine=machine_facts(), command="python benchmarks/flushfree.py"
+        RESULTS / f"{FIGURE}.json",
+        machine=machine_facts(),
+        command="python benchmarks/flushfree.py",
     )
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
