@@ -136,6 +136,7 @@ def _verify(
 ) -> None:
     """Retrain with the same staleness in one process and compare (rank 0)."""
     from hpcpipe.train.flushfree_reference import train_flush_free_reference
+    from hpcpipe.train.verify import compare_with_reference
 
     cfg = ctx.config
     assert params is not None
@@ -151,26 +152,11 @@ def _verify(
         seed=cfg.run.seed,
         dtype=cfg.device.dtype,
     )
-    worst_loss = max(
-        abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref.losses, strict=True)
+    compare_with_reference(
+        ctx.log,
+        "single-process flush-free reference (same weight versions)",
+        losses,
+        params,
+        ref,
+        rtol,
     )
-    worst, where = 0.0, "all equal"
-    for i, p in ref.params.items():
-        for k, expected in p.items():
-            rel = float(
-                np.linalg.norm(params[i][k].astype(np.float64) - expected)
-                / max(np.linalg.norm(expected), 1e-300)
-            )
-            if rel > worst:
-                worst, where = rel, f"unit {i} {k}"
-    verdict = "OK" if worst <= rtol and worst_loss <= rtol else "FAILED"
-    ctx.log(
-        f"verify {verdict}: {sum(len(p) for p in params.values())} tensors vs the "
-        f"single-process flush-free reference (same weight versions), max_rel_param="
-        f"{worst:.3e} ({where}) max_rel_loss={worst_loss:.3e} rtol={rtol:g}"
-    )
-    if verdict != "OK":
-        raise RuntimeError(
-            f"verify failed: parameters differ from the flush-free reference by {worst:.3e} "
-            f"(at {where}), losses by {worst_loss:.3e}; tolerance {rtol:g}"
-        )

@@ -809,6 +809,7 @@ def _verify(
 ) -> None:
     """Rerun with the single-process reference and compare: the oracle of every layout."""
     from hpcpipe.train.reference import train_reference
+    from hpcpipe.train.verify import compare_with_reference
 
     cfg = ctx.config
     rtol = cfg.train.verify_rtol or (1e-10 if cfg.device.dtype == "float64" else 1e-5)
@@ -822,27 +823,4 @@ def _verify(
         dtype=cfg.device.dtype,
         moe=cfg.moe,
     )
-    worst_loss = max(
-        abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref.losses, strict=True)
-    )
-    worst, where = 0.0, "all equal"
-    for i, p in ref.params.items():
-        for k, expected in p.items():
-            got = params[i][k]
-            rel = float(
-                np.linalg.norm(got.astype(np.float64) - expected)
-                / max(np.linalg.norm(expected), 1e-300)
-            )
-            if rel > worst:
-                worst, where = rel, f"unit {i} {k}"
-    verdict = "OK" if worst <= rtol and worst_loss <= rtol else "FAILED"
-    ctx.log(
-        f"verify {verdict}: {sum(len(p) for p in params.values())} tensors vs the "
-        f"single-process reference, max_rel_param={worst:.3e} ({where}) "
-        f"max_rel_loss={worst_loss:.3e} rtol={rtol:g}"
-    )
-    if verdict != "OK":
-        raise RuntimeError(
-            f"verify failed: parameters differ from the reference by {worst:.3e} "
-            f"(at {where}), losses by {worst_loss:.3e}; tolerance {rtol:g}"
-        )
+    compare_with_reference(ctx.log, "single-process reference", losses, params, ref, rtol)

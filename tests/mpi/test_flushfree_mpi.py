@@ -87,3 +87,16 @@ def test_what_a_stream_cannot_do_yet_exits_2_naming_the_key(mpirun, tmp_path):
     r = stream(mpirun, tmp_path, "1f1b", "2bw", 2, "--set", "checkpoint.every=2")
     assert r.returncode == 2, r.output
     assert "checkpoint.every > 0: a stream is not checkpointed" in r.output
+
+
+def test_a_rank_failing_inside_the_stream_ends_the_job(mpirun, tmp_path):
+    """A forward that raises on rank 1 mid-stream: every rank ends (exit 1), rank 1 named."""
+    r = mpirun(
+        2,
+        ["run", DECK, "--set", f"run.output={tmp_path}", "--set", "topology.pp=2",
+         "--set", "topology.dp=1", "--set", "async.mode=2bw"],
+        env={"HPCPIPE_INJECT_FAULT": "rank=1,at=forward:1,kind=raise"},
+        timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1, r.output
+    assert "[rank 1 on" in r.stderr and "injected fault at forward:1" in r.stderr, r.output

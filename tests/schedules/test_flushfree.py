@@ -53,10 +53,7 @@ def cases():
 
 @pytest.mark.parametrize(("name", "p", "window", "updates"), list(cases()))
 def test_versions_and_updates_match_a_walk_over_the_actions(name, p, window, updates):
-    try:
-        schedule = build_schedule(name, p, window * updates)
-    except ValueError:
-        pytest.skip(f"{name} does not build p={p} m={window * updates}")
+    schedule = build_schedule(name, p, window * updates)  # every generator builds these
     plan = plan_updates(schedule, window)
     version, landing, peak = walk(schedule, window)
     np.testing.assert_array_equal(plan.version, version)
