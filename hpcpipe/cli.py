@@ -285,7 +285,7 @@ def _execute_plan(args: argparse.Namespace) -> int:
     if args.csv and pipeline is None:
         raise ConfigError("--csv", "", "writes the pipeline schedule; this deck has no [pipeline]")
     deck_mode = config.sections["async"].mode  # a deck that trains without a flush shows it
-    mode = args.flush_free or (deck_mode if deck_mode != "sync" else None)
+    mode = args.flush_free or (deck_mode if deck_mode in ("stash", "2bw") else None)
     if mode:
         return _flush_free_plan(config, rankmap.pp, mode, args)
     if pipeline is not None and (

@@ -85,6 +85,12 @@ class Comms:
             raise KeyError(f"unknown dim {dim!r}; dims are {', '.join(DIMS)}") from None
 
     @property
+    def alone(self) -> MPI.Comm:
+        """This rank by itself: a reduction over it is a no-op (replicas that keep their own
+        gradients)."""
+        return MPI.COMM_SELF
+
+    @property
     def expert_dp(self) -> MPI.Comm:
         """Ranks holding replicas of this rank's experts (same pp and ep coordinates)."""
         return self._groups["edp"]

@@ -1,24 +1,28 @@
-"""[async]: training whose pipeline does not flush every step (`hpcpipe.schedules.flushfree`)."""
+"""[async]: training without a flush every step (`hpcpipe.schedules.flushfree`) or without a
+barrier every step (data-parallel replicas that average every few steps)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcpipe.config import option
+from hpcpipe.config import ConfigError, option
 
 __all__ = ["AsyncConfig"]
 
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    """[async]: sync (every step flushes), or a pipeline without a flush (docs/async.md)."""
+    """[async]: sync (every step flushes and reduces), a pipeline without a flush, or local
+    steps with periodic averaging (docs/async.md)."""
 
     mode: str = option(
         "sync",
         "sync: every step drains, then the optimizer steps; stash: no flush, a weight update "
         "per microbatch, every backward uses the weights its forward saw (PipeDream); 2bw: no "
-        "flush, an update per global batch, at most two weight versions per stage",
-        choices=("sync", "stash", "2bw"),
+        "flush, an update per global batch, at most two weight versions per stage; local: "
+        "each data-parallel replica steps on its own shard and the replicas average their "
+        "parameters every average_every steps",
+        choices=("sync", "stash", "2bw", "local"),
     )
     versions: int = option(
         0,
@@ -26,3 +30,37 @@ class AsyncConfig:
         "in flight); 2bw always holds at most 2",
         minimum=0,
     )
+    average_every: int = option(
+        1,
+        "local: optimizer steps between two parameter averagings (1 = every step); the last "
+        "step always averages, so the run ends with one model",
+        minimum=1,
+    )
+    delay: int = option(
+        0,
+        "local: 0 averages at the round's end (every replica waits for the slowest); 1 starts "
+        "the averaging there and applies it one round later, while the replicas go on",
+        choices=(0, 1),
+    )
+
+    def check(self, source: str) -> None:
+        """Keys read by one mode only, set under another: bad input, not silently ignored."""
+        if self.mode != "local":
+            for key, value, default in (
+                ("average_every", self.average_every, 1),
+                ("delay", self.delay, 0),
+            ):
+                if value != default:
+                    raise ConfigError(
+                        source,
+                        f"async.{key}",
+                        f"= {value} is read with async.mode = 'local' only (mode is "
+                        f"{self.mode!r}): set async.mode = 'local' or remove the key",
+                    )
+        if self.mode != "stash" and self.versions:
+            raise ConfigError(
+                source,
+                "async.versions",
+                f"= {self.versions} is read with async.mode = 'stash' only (mode is "
+                f"{self.mode!r}): remove the key",
+            )

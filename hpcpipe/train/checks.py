@@ -21,10 +21,16 @@ def check(config: Config, rankmap: RankMap, files: bool) -> None:
 
     source = config.source
     check_paths(config)
-    if config.sections["async"].mode != "sync":
+    asynchronous = config.sections["async"]
+    asynchronous.check(source)
+    if asynchronous.mode in ("stash", "2bw"):
         from hpcpipe.train.flushfree_checks import check_flush_free
 
         check_flush_free(config, rankmap)
+    elif asynchronous.mode == "local":
+        from hpcpipe.train.localsgd_checks import check_local
+
+        check_local(config, rankmap)
     schedule, lowered = runnable_schedule(config.pipeline, rankmap.pp, source)
     if config.train.sends == "blocking":
         _check_blocking(lowered, config)

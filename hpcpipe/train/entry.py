@@ -1,5 +1,5 @@
 """The training workload's entry: a synchronous run, or with `[async] mode` set a pipeline
-without a flush (docs/async.md)."""
+without a flush or replicas that average every few steps (docs/async.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ __all__ = ["run"]
 
 
 def run(ctx: RunContext) -> None:
-    if ctx.config.sections["async"].mode == "sync":
+    mode = ctx.config.sections["async"].mode
+    if mode == "sync":
         from hpcpipe.train.workload import run as run_synchronous
 
         run_synchronous(ctx)
+    elif mode == "local":
+        from hpcpipe.train.localsgd import run_local
+
+        run_local(ctx)
     else:
         from hpcpipe.train.flushfree_run import run_flush_free
 

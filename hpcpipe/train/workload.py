@@ -113,6 +113,8 @@ class Trainer:
         _check_same_schedule(ctx, self.lowered)
         self.m = m = self.schedule.num_microbatches
         self.rows_mb = _check_batch(ctx, m)
+        self.objective_rows = cfg.data.global_batch  # the rows one optimizer step's mean covers
+        self.step_comm = ctx.comms.world  # the ranks one optimizer step spans
         self.group = _expert_group(ctx)
         units = build_model(cfg.model, cfg.moe, self.group)
         ranges = deck_partition(cfg, units, self.schedule.stages_of_rank)
@@ -168,7 +170,7 @@ class Trainer:
                 stages,
                 self.params,
                 pp_comm=ctx.comms.group("pp"),
-                dp_comm=ctx.comms.group("dp"),
+                dp_comm=self._gradient_comms()[0],
                 backend=ctx.backend,
                 act_shape=boundary_shape(cfg.model, self.rows_mb),
                 recv_lookahead=cfg.train.recv_lookahead,
@@ -176,7 +178,7 @@ class Trainer:
                 bucket_bytes=int(cfg.train.bucket_mb * 2**20),
                 world_rank=ctx.rank,
                 recorder=self.rec,
-                expert_dp_comm=ctx.comms.expert_dp,
+                expert_dp_comm=self._gradient_comms()[1],
             )
         except TagLimitError as exc:  # ranks holding the last stages: abort_on_error ends all
             raise ConfigError(
@@ -185,6 +187,10 @@ class Trainer:
                 f"{self.schedule.num_stages} pipeline stages: {exc}; use fewer stages "
                 "(topology.pp, pipeline.virtual_stages)",
             ) from None
+
+    def _gradient_comms(self) -> tuple[Any, Any]:
+        """Where gradients are summed: dense over dp, experts over their replicas."""
+        return self.ctx.comms.group("dp"), self.ctx.comms.expert_dp
 
     def restore(self) -> int:
         """Load the checkpoint named by --resume; returns the step to continue from."""
@@ -234,8 +240,9 @@ class Trainer:
             x, t = self.dataset.shard(step, self.coords["dp"], ctx.rankmap.dp)
             inputs = [ctx.xp.asarray(x[k * rows : (k + 1) * rows]) for k in range(m)]
             targets = [ctx.xp.asarray(t[k * rows : (k + 1) * rows]) for k in range(m)]
-        # each microbatch's share of the global mean loss: summed gradients are the global mean's
-        weight = rows / cfg.data.global_batch
+        # each microbatch's share of the objective's rows (the global batch's, synchronously):
+        # the summed gradients are the gradient of its mean loss
+        weight = rows / self.objective_rows
         factor = slowdown(step + 1, ctx.rank)
         for stage in self.runner.stages.values():
             stage.slowdown = factor
@@ -247,11 +254,9 @@ class Trainer:
             if self.replanner is not None:
                 self._window.append((result.action_times, units))
         self._warm = True
-        loss, sq_norm, stopping = _reduce_scalars(
-            ctx, self.runner, result, stop.flag if stop is not None else 0.0
-        )
+        loss, sq_norm, stopping = self._scalars(result, stop.flag if stop is not None else 0.0)
         if not (math.isfinite(loss) and math.isfinite(sq_norm)):
-            _report_non_finite(ctx, self.runner, step, loss, sq_norm)
+            _report_non_finite(ctx, self.runner, step, loss, sq_norm, self.step_comm)
         lr = learning_rate(cfg.optim, step, steps)
         scale = clip_scale(sq_norm, cfg.optim.grad_clip)
         t_opt = rec.now()
@@ -268,6 +273,7 @@ class Trainer:
         ctx.backend.synchronize()
         if rec.enabled:
             rec.record(EventKind.OPTIMIZER, -1, -1, t_opt, rec.now())
+        if rec.enabled:
             rec.record(
                 EventKind.STEP, -1, -1, t_step, rec.now(), result.peak_live_bytes, value=loss
             )
@@ -279,9 +285,20 @@ class Trainer:
             self._check_replan(step + 1)
         dt = time.perf_counter() - t0
         self._queue_figures(step, result, moe_stats, loss, sq_norm, lr, dt)
+        stopping = self._end_of_step(step) or stopping
         if step % cfg.run.log_every == 0 or step == steps - 1:
             self.flush_figures()
         return stopping
+
+    def _scalars(self, result: StepResult, stop_flag: float) -> tuple[float, float, bool]:
+        """The step's loss and squared gradient norm over what one optimizer step covers (the
+        whole job here), and whether any rank was asked to stop."""
+        return _reduce_scalars(self.ctx, self.runner, result, stop_flag)
+
+    def _end_of_step(self, step: int) -> bool:
+        """After the step's figures are queued (a subclass averages replicas here); True
+        stops the run."""
+        return False
 
     def _time_units(self) -> None:
         """With [replan] on, the stages time each unit (what re-planning weighs layers by)."""
@@ -531,11 +548,16 @@ class Trainer:
                 "reference retraces"
             )
         elif verify and ctx.rank == 0:
-            _verify(ctx, self.history["loss"], final, self.m)
+            self._verify(final)
         idle_barrier(ctx.comms.world)  # rank 0 writes metrics and retrains the reference
         self.runner.free()
         if self.group is not None:
             self.group.free()
+
+    def _verify(self, final: dict[int, dict[str, np.ndarray]] | None) -> None:
+        """Rank 0: retrain with the single-process reference and compare."""
+        assert final is not None
+        _verify(self.ctx, self.history["loss"], final, self.m)
 
 
 def _check_same_schedule(ctx: RunContext, lowered: Schedule) -> None:
@@ -601,8 +623,9 @@ def _expert_group(ctx: RunContext):
 
 
 def _report_non_finite(
-    ctx: RunContext, runner: PipelineRank, step: int, loss: float, sq_norm: float
+    ctx: RunContext, runner: PipelineRank, step: int, loss: float, sq_norm: float, comm: Any
 ) -> None:
+    """Collective over `comm` (the ranks that share the step's loss): name the stages."""
     coords = ctx.rankmap.coords(ctx.rank)
     bad = [
         s
@@ -614,7 +637,7 @@ def _report_non_finite(
             )
         )
     ]
-    everyone = ctx.comms.world.allgather((coords["pp"], bad))
+    everyone = comm.allgather((coords["pp"], bad))
     stages = sorted({s for _, ss in everyone for s in ss})
     raise FloatingPointError(
         f"step {step + 1}: loss = {loss}, gradient norm^2 = {sq_norm} (not finite); non-finite "

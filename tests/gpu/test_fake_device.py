@@ -485,6 +485,26 @@ def test_training_on_the_device_matches_the_reference_and_records_the_decision(
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("aware", ["off", "on"])
+def test_local_steps_on_the_device_average_through_the_gradients_paths(mpirun, tmp_path, aware):
+    """`[async] mode = local`: the parameter averaging goes through the bucketed reductions'
+    staged (and CUDA-aware) paths; the replicas still equal the reference."""
+    sets = {
+        "run.output": tmp_path,
+        "device.kind": '"cuda"',
+        "device.cuda_aware": f'"{aware}"',
+        "run.steps": 5,
+        "async.mode": "local",
+        "async.average_every": 2,
+        "async.delay": 1,
+    }
+    args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    r = mpirun(4, ["run", str(ROOT / "inputs" / "train_tiny.toml"), *args], env=ENV)
+    assert r.returncode == 0, r.output
+    assert "verify OK" in r.stdout and "local-steps reference" in r.stdout, r.output
+
+
+@pytest.mark.mpi
 def test_p2p_benchmark_device_mode_measures_staged_and_says_why_not_direct(tmp_path):
     script = tmp_path / "p2p.py"
     script.write_text(

@@ -1,0 +1,37 @@
+"""Bad [async] decks exit 2 naming the key, before any rank starts (`run --dry-run`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+DECK = str(Path(__file__).resolve().parents[2] / "inputs" / "train_tiny.toml")
+LOCAL = ["--set", "async.mode=local"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "why"),
+    [
+        (
+            ["--set", "async.average_every=4"],
+            "async.average_every",
+            "read with async.mode = 'local'",
+        ),
+        (["--set", "async.delay=1"], "async.delay", "read with async.mode = 'local'"),
+        ([*LOCAL, "--set", "async.versions=2"], "async.versions", "async.mode = 'stash' only"),
+        ([*LOCAL, "--set", "async.delay=2"], "async.delay", "one of"),
+        ([*LOCAL, "--set", "async.average_every=0"], "async.average_every", ">= 1"),
+        ([*LOCAL, "--set", "checkpoint.every=2"], "checkpoint.every", "not checkpointed"),
+        ([*LOCAL, "--set", "replan.enabled=true"], "replan.enabled", "not re-planned"),
+    ],
+)
+def test_bad_async_keys_exit_2_naming_the_key(cli, extra, key, why):
+    r = cli(["run", DECK, "--dry-run", "--world", "4", *extra])
+    assert r.returncode == 2, r.output
+    assert key in r.stderr and why in r.stderr, r.stderr
+
+
+def test_a_good_local_deck_passes_the_dry_run(cli):
+    r = cli(["run", DECK, "--dry-run", "--world", "4", *LOCAL, "--set", "async.delay=1"])
+    assert r.returncode == 0, r.output
