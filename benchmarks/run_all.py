@@ -24,6 +24,7 @@ FIGURES = (
     "pipeline_pairs",
     "replan",
     "flushfree",
+    "async_dp",
     "allreduce_overlap",
     "memory_peak",
     "sweep_grind",
