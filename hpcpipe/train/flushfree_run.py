@@ -136,11 +136,11 @@ def _verify(
 ) -> None:
     """Retrain with the same staleness in one process and compare (rank 0)."""
     from hpcpipe.train.flushfree_reference import train_flush_free_reference
-    from hpcpipe.train.verify import compare_with_reference
+    from hpcpipe.train.verify import compare_with_reference, tolerance
 
     cfg = ctx.config
     assert params is not None
-    rtol = cfg.train.verify_rtol or (1e-10 if cfg.device.dtype == "float64" else 1e-5)
+    rtol = tolerance(cfg)
     ref = train_flush_free_reference(
         cfg.model,
         cfg.data,

@@ -187,11 +187,11 @@ class LocalTrainer(Trainer):
 
     def _verify(self, final: dict[int, dict[str, np.ndarray]] | None) -> None:
         from hpcpipe.train.localsgd_reference import train_local_reference
-        from hpcpipe.train.verify import compare_with_reference
+        from hpcpipe.train.verify import compare_with_reference, tolerance
 
         assert final is not None
         ctx, cfg, a = self.ctx, self.cfg, self.cfg.sections["async"]
-        rtol = cfg.train.verify_rtol or (1e-10 if cfg.device.dtype == "float64" else 1e-5)
+        rtol = tolerance(cfg)
         ref = train_local_reference(
             cfg.model,
             cfg.data,

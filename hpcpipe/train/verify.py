@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["compare_with_reference"]
+__all__ = ["compare_with_reference", "tolerance"]
 
 
 def compare_with_reference(
@@ -43,3 +43,8 @@ def compare_with_reference(
             f"verify failed: parameters differ from the {what} by {worst:.3e} "
             f"(at {where}), losses by {worst_loss:.3e}; tolerance {rtol:g}"
         )
+
+
+def tolerance(cfg: Any) -> float:
+    """`train.verify_rtol`, or the default of the run's dtype (float64 agrees to rounding)."""
+    return cfg.train.verify_rtol or (1e-10 if cfg.device.dtype == "float64" else 1e-5)

@@ -832,10 +832,10 @@ def _verify(
 ) -> None:
     """Rerun with the single-process reference and compare: the oracle of every layout."""
     from hpcpipe.train.reference import train_reference
-    from hpcpipe.train.verify import compare_with_reference
+    from hpcpipe.train.verify import compare_with_reference, tolerance
 
     cfg = ctx.config
-    rtol = cfg.train.verify_rtol or (1e-10 if cfg.device.dtype == "float64" else 1e-5)
+    rtol = tolerance(cfg)
     ref = train_reference(
         cfg.model,
         cfg.data,
