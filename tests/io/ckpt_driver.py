@@ -103,16 +103,23 @@ def _emit(**record: object) -> None:
 def _save(comm, args: argparse.Namespace) -> int:
     writer, mine = holdings(comm.rank, comm.size, args.scheme)
     attrs = {"world": comm.size, "scheme": args.scheme, "rng": bytes([comm.rank, 0, 255])}
-    path = save_checkpoint(
-        comm,
-        args.root,
-        args.step,
-        mine,
-        writer=writer,
-        attrs=attrs,
-        keep=args.keep,
-        layout=args.layout,
-    )
+    try:
+        path = save_checkpoint(
+            comm,
+            args.root,
+            args.step,
+            mine,
+            writer=writer,
+            attrs=attrs,
+            keep=args.keep,
+            layout=args.layout,
+        )
+    except CheckpointError as exc:
+        if not args.report_errors:
+            raise
+        # one JSON line per rank: tracebacks of several ranks interleave character by character
+        _emit(rank=comm.rank, error=f"{type(exc).__name__}: {exc}")
+        return 1
     _emit(rank=comm.rank, path=str(path))
     return 0
 
@@ -168,6 +175,9 @@ def main() -> int:
     parser.add_argument("--keep", type=int, default=0)
     parser.add_argument("--layout", default="auto")
     parser.add_argument("--saved-world", type=int, default=4)
+    parser.add_argument(
+        "--report-errors", action="store_true", help="save: a CheckpointError as a JSON record"
+    )
     args = parser.parse_args()
     from mpi4py import MPI
 
