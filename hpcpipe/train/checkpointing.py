@@ -9,13 +9,19 @@ state by the first expert group (dp < ep), so nothing is written twice.
 Data order and initialisation depend only on (seed, step), so a run is fully described by its
 parameters, optimizer slots, optimizer step and the next step index: resuming reproduces an
 uninterrupted run bit for bit.
+
+Replicas that train apart (`[async] mode = "local"`) each write their own state under
+`replica0001/...` (every rank writes: no replica owns another's), with whatever else they need
+to continue (the averaging round in flight) as extra tensors and index attributes; the number
+of replicas is then fixed, the pipeline layout still free.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,15 +39,16 @@ from hpcpipe.moe.layer import is_expert_param
 from hpcpipe.runtime import RunContext
 from hpcpipe.train.optim import OptimState
 
-__all__ = ["restore", "save"]
+__all__ = ["Resumed", "replica_prefix", "restore", "save"]
 
 FORMAT_TAG = "hpcpipe-train"
 
-IDENTITY_SECTIONS = ("model", "data", "optim", "moe")
+IDENTITY_SECTIONS = ("model", "data", "optim", "moe", "async")
 IDENTITY_KEYS = ("run.seed", "device.dtype")
 """What determines a training run's trajectory, besides the step: the model, the data and its
-order, the optimizer, the seed and the arithmetic precision. A resume compares them with the
-checkpoint's; the layout, schedule, microbatching, cadence and outputs may change freely."""
+order, the optimizer, the training mode (`[async]`), the seed and the arithmetic precision. A
+resume compares them with the checkpoint's; the layout, schedule, microbatching, cadence and
+outputs may change freely."""
 
 
 def _identity_of(deck: dict[str, Any]) -> dict[str, Any]:
@@ -130,16 +137,21 @@ def _owns(ctx: RunContext, key: str) -> bool:
     return dp < ctx.rankmap.ep if is_expert_param(key) else dp == 0
 
 
-def _walk(params: dict[int, Any], opt_state: dict[int, OptimState]):
+def replica_prefix(replica: int) -> str:
+    """Where one of several replicas training apart keeps its tensors."""
+    return f"replica{replica:04d}/"
+
+
+def _walk(params: dict[int, Any], opt_state: dict[int, OptimState], prefix: str = ""):
     """(tensor name, array) for every parameter and optimizer slot this rank holds."""
     for s, tree in params.items():
         for unit, p in tree.items():
             for key, value in p.items():
-                yield _name(None, unit, key), key, value
+                yield prefix + _name(None, unit, key), key, value
         for slot, slot_tree in opt_state[s].slots.items():
             for unit, p in slot_tree.items():
                 for key, value in p.items():
-                    yield _name(slot, unit, key), key, value
+                    yield prefix + _name(slot, unit, key), key, value
 
 
 def save(
@@ -148,18 +160,33 @@ def save(
     params: dict[int, Any],
     opt_state: dict[int, OptimState],
     history: dict[str, list[float]],
+    *,
+    replica: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    attrs: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Collective: checkpoint after `step` completed steps (the next run starts at `step`)."""
+    """Collective: checkpoint after `step` completed steps (the next run starts at `step`).
+
+    `replica`: this rank's replica when replicas train apart (every rank writes its own, under
+    `replica_prefix`); `extra`: more tensors of this rank's, by full name; `attrs`: more index
+    attributes (rank 0's)."""
     cfg = ctx.config
     tensors = {}
-    for name, key, value in _walk(params, opt_state):
-        if _owns(ctx, key):
+    prefix = "" if replica is None else replica_prefix(replica)
+    for name, key, value in _walk(params, opt_state, prefix):
+        if replica is not None or _owns(ctx, key):
             host = ctx.backend.to_host(value)
             tensors[name] = (ShardSpec(name, host.shape, host.dtype), host)
+    for name, value in (extra or {}).items():
+        host = ctx.backend.to_host(value)
+        tensors[name] = (ShardSpec(name, host.shape, host.dtype), host)
     opt_steps = {st.step for st in opt_state.values()}
-    attrs = None  # only rank 0's go to the index: the others need not build (or hold) them
+    index = None  # only rank 0's go to the index: the others need not build (or hold) them
     if ctx.rank == 0:
-        attrs = _index_attrs(ctx, step, opt_steps, history)
+        index = _index_attrs(ctx, step, opt_steps, history)
+        if replica is not None:
+            index["replicas"] = ctx.rankmap.dp
+        index.update(attrs or {})
         for key, values in history.items():  # float64 tensors: compact, checksummed
             host = np.asarray(values, dtype=np.float64)
             tensors[HISTORY + key] = (ShardSpec(HISTORY + key, host.shape, host.dtype), host)
@@ -170,7 +197,7 @@ def save(
         step,
         tensors,
         writer=bool(tensors),
-        attrs=attrs,
+        attrs=index,
         keep=ck.keep,
         layout=ck.layout,
         fsync=ck.fsync,
@@ -215,13 +242,45 @@ def _int_attr(path: Path, attrs: dict[str, Any], key: str) -> int:
     return value
 
 
+Extra = Callable[[dict[str, Any]], Mapping[str, ShardSpec]]
+"""A resume's further tensors, named from the checkpoint's index attributes."""
+
+
+def _check_replicas(path: Path, attrs: dict[str, Any], replicas: int | None) -> None:
+    """Replicas training apart resume as that many replicas; a synchronous run has one model."""
+    saved = attrs.get("replicas")
+    if saved is None and replicas is not None:
+        raise _resume_error(
+            path,
+            "holds one model (a synchronous run's), not the replicas' own weights and "
+            "optimizer states that async.mode = 'local' continues from: resume it with "
+            "async.mode = 'sync'",
+        )
+    if saved is not None and replicas is None:
+        raise _resume_error(
+            path,
+            f"holds {saved} replicas that trained apart (async.mode = 'local'), not one model: "
+            "resume it with async.mode = 'local'",
+        )
+    if saved is not None and saved != replicas:
+        raise _resume_error(
+            path,
+            f"holds {saved} replicas that trained apart (async.mode = 'local') and this run "
+            f"has {replicas} (topology.dp): resume with topology.dp = {saved} (the pipeline "
+            "layout may change)",
+        )
+
+
 def _read_state(
     path: Path,
     params: dict[int, Any],
     opt_state: dict[int, OptimState],
     rank: int,
     ctx: RunContext | None = None,
-) -> tuple[dict[str, np.ndarray], int, int, dict[str, list[float]], Any]:
+    replica: int | None = None,
+    extra: Extra | None = None,
+    per_step: int = 1,
+) -> tuple[dict[str, np.ndarray], int, int, dict[str, list[float]], Any, dict[str, Any]]:
     """Everything a resume needs, read and checked (every CRC32, shape, dtype and attribute);
     nothing is applied, so a bad checkpoint leaves the freshly built model untouched."""
     try:
@@ -236,6 +295,7 @@ def _read_state(
         )
     if ctx is not None:
         ctx.changed = tuple(check_identity(path, attrs, ctx.config, ctx.allow_changes))
+        _check_replicas(path, attrs, None if replica is None else ctx.rankmap.dp)
     step = _int_attr(path, attrs, "data_position")
     optimizer_step = _int_attr(path, attrs, "optimizer_step")
     try:
@@ -249,18 +309,22 @@ def _read_state(
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise _resume_error(path, "attribute 'history_keys' is not a list of metric names")
     wanted = {}
-    for name, _, value in _walk(params, opt_state):
+    prefix = "" if replica is None else replica_prefix(replica)
+    for name, _, value in _walk(params, opt_state, prefix):
         wanted[name] = ShardSpec(name, tuple(value.shape), np.dtype(value.dtype))
+    wanted.update(extra(attrs) if extra is not None else {})
     if rank == 0:  # the metrics history lives on rank 0 only
         for key in keys:
-            wanted[HISTORY + key] = ShardSpec(HISTORY + key, (step,), np.dtype(np.float64))
+            wanted[HISTORY + key] = ShardSpec(
+                HISTORY + key, (step * per_step,), np.dtype(np.float64)
+            )
     try:
         loaded = load_checkpoint(path, wanted)
     except CheckpointError as exc:
         raise ConfigError("--resume", "", str(exc) + older_hint(path)) from None
     for key in keys if rank == 0 else ():
         history[key] = loaded.pop(HISTORY + key).tolist()
-    return loaded, step, optimizer_step, history, topology
+    return loaded, step, optimizer_step, history, topology, attrs
 
 
 def _agree(comm: Any, error: ConfigError | None) -> None:
@@ -276,11 +340,28 @@ def _agree(comm: Any, error: ConfigError | None) -> None:
     raise ConfigError("--resume", "", message)
 
 
+class Resumed(NamedTuple):
+    """Where a resumed run starts: the step, rank 0's metrics so far, the checkpoint's index
+    attributes and the extra tensors asked for."""
+
+    step: int
+    history: dict[str, list[float]]
+    attrs: dict[str, Any]
+    extra: dict[str, np.ndarray]
+
+
 def restore(
-    ctx: RunContext, params: dict[int, Any], opt_state: dict[int, OptimState]
-) -> tuple[int, dict[str, list[float]]]:
-    """Load what this rank owns now into `params`/`opt_state` (in place); returns the step to
-    start from and the metrics history so far.
+    ctx: RunContext,
+    params: dict[int, Any],
+    opt_state: dict[int, OptimState],
+    *,
+    replica: int | None = None,
+    extra: Extra | None = None,
+    per_step: int = 1,
+) -> Resumed:
+    """Load what this rank owns now into `params`/`opt_state` (in place); `replica` and
+    `extra` as `save` wrote them (`extra` names the further tensors from the index
+    attributes); `per_step`: metric rows per step (a stream's updates per global batch).
 
     Collective. Every rank reads and checks all of its state first and the ranks agree before
     any parameter is replaced: a damaged checkpoint is a ConfigError (exit 2) on every rank.
@@ -289,12 +370,12 @@ def restore(
     path = find_checkpoint(world, ctx.resume, ctx.config.checkpoint.directory(ctx.output))
     error, state = None, None
     try:
-        state = _read_state(path, params, opt_state, world.rank, ctx)
+        state = _read_state(path, params, opt_state, world.rank, ctx, replica, extra, per_step)
     except ConfigError as exc:
         error = exc
     _agree(world, error)
     assert state is not None
-    loaded, step, optimizer_step, history, topology = state
+    loaded, step, optimizer_step, history, topology, attrs = state
     steps = ctx.config.run.steps
     if step >= steps:  # every rank read the same step: the same error everywhere
         raise ConfigError(
@@ -304,17 +385,19 @@ def restore(
             f"run.steps to train further (e.g. --set run.steps={step + steps})",
         )
     xp = ctx.xp
+    prefix = "" if replica is None else replica_prefix(replica)
     for s, tree in params.items():
         for unit, p in tree.items():
             for key in p:
-                p[key] = xp.asarray(loaded[_name(None, unit, key)])
+                p[key] = xp.asarray(loaded.pop(prefix + _name(None, unit, key)))
         slots = {
             slot: {
-                unit: {key: xp.asarray(loaded[_name(slot, unit, key)]) for key in p}
+                unit: {key: xp.asarray(loaded.pop(prefix + _name(slot, unit, key))) for key in p}
                 for unit, p in slot_tree.items()
             }
             for slot, slot_tree in opt_state[s].slots.items()
         }
         opt_state[s] = OptimState(optimizer_step, slots)
     ctx.log(f"resumed from {path} at step {step} (written by a {topology} run)")
-    return step, {k: list(v)[:step] for k, v in history.items()}
+    history = {k: list(v)[: step * per_step] for k, v in history.items()}
+    return Resumed(step, history, attrs, loaded)

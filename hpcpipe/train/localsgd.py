@@ -3,64 +3,79 @@
 Each data-parallel replica (a whole pipeline) trains on its own shard of every global batch
 with its own optimizer: no gradient allreduce, so a replica never waits for another inside a
 round. Every `async.average_every` steps (and at the last step) the replicas average their
-parameters (`hpcpipe.train.averaging`): at once with `async.delay = 0`, or started there and
+parameters (`hpcpipe.mpi.averaging`): at once with `async.delay = 0`, or started there and
 applied one round later with `delay = 1`, so the reduction overlaps a round of local steps and
 a replica only waits for one that is a whole round behind. The semantics, and the oracle
 `train.verify` compares with, are `hpcpipe.train.localsgd_reference`.
 
 The step's figures (loss, norm, compute time, memory) are reduced inside the replica every
 step and over the replicas with the averaging, so a step is logged when its round completes.
-Not supported yet, refused up front naming the key: expert parallelism and MoE, re-planning,
-checkpoints and --resume (a checkpoint would hold every replica's weights and optimizer state
-and the round in flight). A stop signal ends the run at the end of the round that carries it.
+
+Checkpoints fall on round ends (`checkpoint.every` a multiple of `average_every`; a stop
+signal is taken at the end of the round that carries it). Each replica writes its own
+parameters and optimizer state; with delay 1 the round in flight is waited for and its totals
+are written beside them, to be applied one round later as in an uninterrupted run, so a resume
+continues bit for bit. Not supported yet, refused up front naming the key: expert parallelism
+and MoE, re-planning.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hpcpipe.config import ConfigError
+from hpcpipe.io.checkpoint import ShardSpec
 from hpcpipe.io.trace import EventKind
 from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.mpi.averaging import ReplicaAverager
 from hpcpipe.mpi.collectives import allreduce
 from hpcpipe.runtime import RunContext
-from hpcpipe.train.localsgd_checks import UNSUPPORTED, check_local
+from hpcpipe.train.checkpointing import replica_prefix, restore, save
+from hpcpipe.train.localsgd_checks import check_local
 from hpcpipe.train.localsgd_reference import round_ends
 from hpcpipe.train.pipeline import StepResult
 from hpcpipe.train.workload import Trainer
 
 __all__ = ["LocalTrainer", "run_local"]
 
+PENDING = "pending"
+"""Where a replica keeps the totals of the averaging round a checkpoint caught in flight."""
+
 
 def run_local(ctx: RunContext) -> None:
-    """Train `run.steps` steps, replicas averaging every `async.average_every`."""
+    """Train `run.steps` steps, replicas averaging every `async.average_every`; checkpoints
+    and stop signals at round ends (from a checkpoint with --resume)."""
     cfg = ctx.config
-    if ctx.resume is not None:
-        raise ConfigError("--resume", "", f"replicas start from the seed; {UNSUPPORTED}")
     check_local(cfg, ctx.rankmap)
     trainer = LocalTrainer(ctx)
+    start = trainer.restore() if ctx.resume else 0
     stop = StopSignal()
-    state, done, steps = "finished", 0, cfg.run.steps
+    every, steps = cfg.checkpoint.every, cfg.run.steps
+    state, last, done = "finished", None, start
     try:
-        for step in range(steps):
+        for step in range(start, steps):
             with ctx.watchdog.phase(f"step {step + 1}", trainer.where):
                 stopping = trainer.step(step, stop)
             done = step + 1
+            if stopping or (every and (done % every == 0 or done == steps)):
+                last = trainer.checkpoint(done)  # waits for the round in flight
+                stopping = stopping or trainer.stop_seen
             if stopping and done < steps:
                 state = "preempted"
                 ctx.log(
-                    f"stopping on signal after step {done}/{steps} (the end of a round); "
-                    "async.mode = 'local' writes no checkpoint yet"
+                    f"stopping on signal after step {done}/{steps} (the end of a round): "
+                    f"checkpoint {last}; resume with --resume"
                 )
                 break
     finally:
         stop.restore()
     if ctx.rank == 0:
-        write_status(ctx.output, state, done, None)
+        write_status(ctx.output, state, done, last)
     trainer.finish(complete=state == "finished")
     trainer.averager.free()
 
@@ -73,6 +88,9 @@ class LocalTrainer(Trainer):
         cfg, a = self.cfg, self.cfg.sections["async"]
         self.objective_rows = cfg.data.global_batch // ctx.rankmap.dp  # a replica's shard
         self.step_comm = ctx.comms.group("pp")
+        # the ends where the replicas take the mean at once: the run's last step, and those of
+        # earlier runs this one continues (`restore`)
+        self.at_once = {cfg.run.steps}
         self.ends = set(round_ends(cfg.run.steps, a.average_every))
         self.averager = ReplicaAverager(
             ctx.comms.group("dp"),
@@ -85,7 +103,7 @@ class LocalTrainer(Trainer):
         self._stop = 0.0  # any stop signal seen on this rank since the last round started
         self._in_flight: list[tuple] = []  # the figures of the round being averaged
         self._waiting = False
-        self._walls: list[float] = []  # this rank's steps' wall times, averaging waits included
+        self.stop_seen = False  # a stop signal found by waiting for a round at a checkpoint
         ctx.log(
             f"local steps: {ctx.rankmap.dp} replica(s) of {self.objective_rows} rows, averaging "
             f"every {a.average_every} step(s) with delay {a.delay} "
@@ -107,13 +125,9 @@ class LocalTrainer(Trainer):
         t0 = time.perf_counter()
         self.averager.progress()
         stopping = super().step(step, stop)
-        self._walls.append(time.perf_counter() - t0)
-        return stopping
-
-    def finish(self, complete: bool) -> None:
         if self.ctx.rank == 0:  # what a straggling replica costs the others: their waits
-            self.history["wall_time"] = self._walls
-        super().finish(complete)
+            self.history.setdefault("wall_time", []).append(time.perf_counter() - t0)
+        return stopping
 
     def _scalars(self, result: StepResult, stop_flag: float) -> tuple[float, float, bool]:
         """Inside the replica: its mean loss, its squared norm (clipped alone), its compute
@@ -122,13 +136,13 @@ class LocalTrainer(Trainer):
         total = allreduce(
             self.step_comm, np.array([result.loss_sum, dense + expert, result.compute_time])
         )
-        peaks = allreduce(
+        peaks = allreduce(  # a stop seen by any of the replica's ranks is the replica's
             self.step_comm,
-            np.array([float(result.peak_live_bytes), float(result.peak_live_units)]),
+            np.array([float(result.peak_live_bytes), float(result.peak_live_units), stop_flag]),
             "max",
         )
-        self._replica = (float(total[2]), peaks)
-        self._stop = max(self._stop, stop_flag)
+        self._replica = (float(total[2]), peaks[:2])
+        self._stop = max(self._stop, float(peaks[2]))
         return float(total[0]), float(total[1]), False
 
     def _queue_figures(self, step, result, moe_stats, loss, sq_norm, lr, dt) -> None:
@@ -153,21 +167,23 @@ class LocalTrainer(Trainer):
         self._stop = 0.0
         self.averager.start(self.params, sums.ravel(), maxima.ravel())
         self._in_flight = rows
-        if self.averager.delay == 0 or step + 1 == self.cfg.run.steps:
+        if self.averager.delay == 0 or step + 1 in self.at_once:
             stop = self._complete(at_once=True) or stop
         return stop
 
-    def _complete(self, at_once: bool = False) -> bool:
-        """Wait for the round in flight, take its parameters, log its steps."""
+    def _settle(self) -> bool:
+        """Wait for the reductions of the round in flight and log its steps (once per round).
+        True when one of its steps carried a stop signal."""
+        if not self.averager.in_flight or self.averager.ready:
+            return False
         self._waiting, t0 = True, self.rec.now()
         try:
-            self.params, sums, maxima = self.averager.finish(self.params, at_once=at_once)
+            sums, maxima = self.averager.wait()
         finally:
             self._waiting = False
         if self.rec.enabled:  # the wait for the replicas' mean (value 1: parameter averaging)
             nbytes = int(self.averager.sum.flat.nbytes)
             self.rec.record(EventKind.WAIT, -1, -1, t0, self.rec.now(), nbytes, value=1.0)
-        self.runner.params = self.params
         rows, self._in_flight = self._in_flight, []
         n = self.ctx.rankmap.dp
         sums, maxima = sums.reshape(len(rows), 4), maxima.reshape(len(rows), 3)
@@ -184,6 +200,84 @@ class LocalTrainer(Trainer):
                 float(peak[2]),
             )
         return bool(len(rows) and sums[:, 3].max() > 0)
+
+    def _complete(self, at_once: bool = False) -> bool:
+        """Wait for the round in flight (unless a checkpoint did), take its parameters."""
+        stop = self._settle()
+        self.params = self.averager.finish(self.params, at_once=at_once)
+        self.runner.params = self.params
+        return stop
+
+    def checkpoint(self, done: int) -> Path:
+        """At a round's end: the round in flight is waited for (so the history reaches this
+        step and its totals can be written), not applied."""
+        self.stop_seen = self._settle()
+        return super().checkpoint(done)
+
+    def _save(self, done: int) -> Path:
+        extra = {}
+        if self.averager.in_flight:  # delay 1: the totals the next round end applies
+            prefix = replica_prefix(self.coords["dp"]) + PENDING
+            extra = {
+                f"{prefix}/unit{i:04d}/{k}": total
+                for (_, i, k), total in self.averager.pending().items()
+            }
+        ends = sorted(e for e in self.at_once if e <= done)
+        return save(
+            self.ctx,
+            done,
+            self.params,
+            self.opt_state,
+            self.history,
+            replica=self.coords["dp"],
+            extra=extra,
+            attrs={"async_earlier_ends": json.dumps(ends), "local_pending": int(bool(extra))},
+        )
+
+    def restore(self) -> int:
+        """Each replica's own parameters and optimizer state, and with delay 1 the round the
+        checkpoint's step started (applied at the next round end, as in an uninterrupted
+        run). Earlier runs' last steps stay round ends taken at once."""
+        shapes = {
+            (s, i, k): (tuple(v.shape), np.dtype(v.dtype))
+            for s, tree in self.params.items()
+            for i, p in tree.items()
+            for k, v in p.items()
+        }
+        prefix = replica_prefix(self.coords["dp"]) + PENDING
+
+        def pending(attrs: dict[str, Any]) -> dict[str, ShardSpec]:
+            if not attrs.get("local_pending"):
+                return {}
+            return {
+                f"{prefix}/unit{i:04d}/{k}": ShardSpec(f"{prefix}/unit{i:04d}/{k}", *shape)
+                for (_, i, k), shape in shapes.items()
+            }
+
+        resumed = restore(
+            self.ctx, self.params, self.opt_state, replica=self.coords["dp"], extra=pending
+        )
+        self.history = resumed.history
+        self.runner.params = self.params
+        try:
+            earlier = json.loads(resumed.attrs.get("async_earlier_ends", "[]"))
+        except ValueError:
+            earlier = None
+        if not isinstance(earlier, list) or not all(isinstance(e, int) for e in earlier):
+            raise ConfigError(
+                "--resume", "", "checkpoint attribute 'local_at_once' is damaged (not a step list)"
+            )
+        a = self.cfg.sections["async"]
+        self.at_once |= set(earlier)
+        self.ends = set(round_ends(self.cfg.run.steps, a.average_every, self.at_once))
+        if resumed.extra:
+            xp = self.ctx.xp
+            totals = {
+                key: xp.asarray(resumed.extra[f"{prefix}/unit{key[1]:04d}/{key[2]}"])
+                for key in shapes
+            }
+            self.averager.resume(self.params, totals)
+        return resumed.step
 
     def _verify(self, final: dict[int, dict[str, np.ndarray]] | None) -> None:
         from hpcpipe.train.localsgd_reference import train_local_reference
@@ -203,6 +297,7 @@ class LocalTrainer(Trainer):
             seed=cfg.run.seed,
             microbatches=self.m,
             dtype=cfg.device.dtype,
+            at_once=self.at_once,
         )
         compare_with_reference(
             ctx.log,

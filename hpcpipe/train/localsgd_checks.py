@@ -20,12 +20,16 @@ def check_local(config: Config, rankmap: RankMap) -> None:
         ("topology.ep", rankmap.ep > 1, f"= {rankmap.ep}: runs pp x dp only (ep = 1)"),
         ("moe.enabled", config.moe.enabled, "= true: MoE layers are not averaged yet"),
         ("replan.enabled", config.replan.enabled, "= true: local replicas are not re-planned"),
-        (
-            "checkpoint.every",
-            config.checkpoint.every > 0,
-            "> 0: the replicas' own weights and optimizer states are not checkpointed",
-        ),
     ]
     for key, bad, why in problems:
         if bad:
             raise ConfigError(config.source, key, f"{why}; {UNSUPPORTED}")
+    every, rounds = config.checkpoint.every, config.sections["async"].average_every
+    if every % rounds:
+        raise ConfigError(
+            config.source,
+            "checkpoint.every",
+            f"= {every} is not a multiple of async.average_every = {rounds}: replicas "
+            "checkpoint at the end of a round, where the averaging is; use "
+            f"checkpoint.every = {max(rounds, every - every % rounds)}",
+        )

@@ -12,7 +12,9 @@ steps; the last step of the run always ends one. At the end of a round:
       theta_r <- theta_r + (mean_q snap_q - snap_r),    snap = the parameters at the last end,
 
   and snapshots again. At the run's last step the replicas wait for the mean instead, so every
-  replica ends with the same model (the mean of the last snapshots).
+  replica ends with the same model (the mean of the last snapshots). So does a run resumed
+  from the end of a shorter one: that run's last step stays a round end taken at once
+  (`at_once`), as it was.
 
 Optimizer state (momentum, Adam moments) stays each replica's own. The logged loss of a step is
 the mean of the replicas' losses (the mean over the global batch, as synchronous training logs
@@ -23,6 +25,7 @@ MPI computes the same sums in another order, so it must equal this to rounding.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -44,13 +47,11 @@ from hpcpipe.train.reference import ReferenceResult, loss_and_grads, to_host
 __all__ = ["round_ends", "train_local_reference"]
 
 
-def round_ends(steps: int, average_every: int) -> list[int]:
-    """The steps (1-based counts) after which the replicas average: every `average_every`-th
-    and the last."""
-    ends = list(range(average_every, steps + 1, average_every))
-    if not ends or ends[-1] != steps:
-        ends.append(steps)
-    return ends
+def round_ends(steps: int, average_every: int, at_once: Iterable[int] = ()) -> list[int]:
+    """The steps (1-based counts) after which the replicas average: every `average_every`-th,
+    the last, and the `at_once` ends (the last steps of earlier runs this one resumes)."""
+    ends = set(range(average_every, steps + 1, average_every)) | {steps}
+    return sorted(ends | {e for e in at_once if 0 < e <= steps})
 
 
 def train_local_reference(
@@ -66,10 +67,12 @@ def train_local_reference(
     microbatches: int = 1,
     dtype: Any = "float64",
     xp: Any = np,
+    at_once: Iterable[int] = (),
 ) -> ReferenceResult:
     """Train `replicas` replicas for `steps` steps, averaging as the module docstring says;
-    `microbatches` per replica and step. Returns the mean losses and the final (common)
-    parameters; `grad_norms` is the root mean square of the replicas' norms."""
+    `microbatches` per replica and step; `at_once`: earlier runs' last steps (resumed runs).
+    Returns the mean losses and the final (common) parameters; `grad_norms` is the root mean
+    square of the replicas' norms."""
     if replicas < 1 or data.global_batch % replicas:
         raise ValueError(f"{replicas} replicas must divide the global batch of {data.global_batch}")
     if average_every < 1 or delay not in (0, 1):
@@ -80,7 +83,8 @@ def train_local_reference(
     params = [init] * replicas  # updates make new arrays: the replicas share nothing written
     states = [init_state(optim, params[r]) for r in range(replicas)]
     ds = build_dataset(data, model, seed)
-    ends = set(round_ends(steps, average_every))
+    at_once = {*at_once, steps}
+    ends = set(round_ends(steps, average_every, at_once))
     snaps: list[Params] | None = None
     result = ReferenceResult([], [], {}, optimal_loss=ds.optimal_loss)
     for step in range(steps):
@@ -111,7 +115,7 @@ def train_local_reference(
         result.grad_norms.append(math.sqrt(sq_sum / replicas))
         if step + 1 not in ends:
             continue
-        last = step + 1 == steps
+        last = step + 1 in at_once
         if delay == 0:
             mean = _mean(params)
             params = [mean] * replicas
@@ -119,8 +123,9 @@ def train_local_reference(
         if snaps is not None:  # last round's mean arrives: each replica adds what it missed
             params = _corrected(params, snaps)
         snaps = list(params)
-        if last:  # the run's end: nothing left to overlap with, the mean itself
+        if last:  # a run's end: nothing left to overlap with, the mean itself
             params = [_mean(snaps)] * replicas
+            snaps = None
     result.params = to_host(params[0])
     return result
 

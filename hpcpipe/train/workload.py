@@ -194,9 +194,10 @@ class Trainer:
 
     def restore(self) -> int:
         """Load the checkpoint named by --resume; returns the step to continue from."""
-        start, self.history = restore(self.ctx, self.params, self.opt_state)
+        resumed = restore(self.ctx, self.params, self.opt_state)
+        self.history = resumed.history
         self.runner.params = self.params
-        return start
+        return resumed.step
 
     def checkpoint(self, done: int) -> Path:
         self.flush_figures()  # the checkpoint keeps the history up to this step
@@ -205,12 +206,16 @@ class Trainer:
             f"the checkpoint after step {done}",
             lambda: f"writing the checkpoint of step {done} into {self.ctx.output}",
         ):
-            path = save(self.ctx, done, self.params, self.opt_state, self.history)
+            path = self._save(done)
         if self.rec.enabled:
             self.rec.record(EventKind.CHECKPOINT, -1, -1, t0, self.rec.now())
             self.write_trace()  # so a run that dies later keeps its trace up to here
         self.ctx.log(f"checkpoint: {path}")
         return path
+
+    def _save(self, done: int) -> Path:
+        """Collective: this run's state after `done` steps into a new checkpoint."""
+        return save(self.ctx, done, self.params, self.opt_state, self.history)
 
     def write_trace(self, memory: dict[str, Any] | None = None) -> Path:
         """Collective: the whole trace so far to trace.h5 (rewritten at each call); `memory`:

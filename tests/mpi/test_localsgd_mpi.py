@@ -7,6 +7,7 @@ parameter and every step's mean loss; the job fails beyond 1e-10 in float64.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -126,3 +127,150 @@ def test_non_finite_gradients_in_one_replica_end_the_job_naming_the_step(mpirun,
     )
     assert r.returncode == 1, r.output
     assert "FloatingPointError: step " in r.stderr and "stage(s)" in r.stderr, r.output
+
+
+# Checkpoints of replicas that train apart: each replica's own weights and optimizer state, and
+# with delay 1 the averaging round in flight; a resume continues bit for bit.
+
+
+def _params(run: Path) -> dict[str, np.ndarray]:
+    out = {}
+
+    def take(name: str, item) -> None:
+        if isinstance(item, h5py.Dataset):
+            out[name] = item[()]
+
+    with h5py.File(run / "params.h5") as f:
+        f.visititems(take)
+    return out
+
+
+def _losses(run: Path) -> np.ndarray:
+    with h5py.File(run / "metrics.h5") as f:
+        return f["loss"][()]
+
+
+def _sets(**kv) -> list[str]:
+    return [x for k, v in kv.items() for x in ("--set", f"{k.replace('__', '.')}={v}")]
+
+
+DELAY1 = _sets(
+    async__mode="local",
+    async__average_every=2,
+    async__delay=1,
+    train__save_params="true",
+)
+
+
+@pytest.fixture(scope="module")
+def local_full(tmp_path_factory):
+    """An uninterrupted 8-step pp2 x dp2 run, delay 1, checkpoints after steps 4 and 8."""
+    from conftest import run_mpi
+
+    out = tmp_path_factory.mktemp("local_full")
+    r = run_mpi(
+        4,
+        ["run", DECK, *DELAY1, *_sets(run__output=out, run__steps=8, checkpoint__every=4)],
+        timeout=180,
+    )
+    assert r.returncode == 0, r.output
+    assert "verify OK" in r.stdout, r.output
+    return out
+
+
+def test_local_resume_with_a_round_in_flight_is_bitwise_equal(mpirun, tmp_path, local_full):
+    """Step 4 is a round end (delay 1): the round it started is in the checkpoint and lands at
+    step 6, as in the uninterrupted run."""
+    with h5py.File(local_full / "checkpoints" / "step_000004" / "index.h5") as f:
+        assert int(f.attrs["local_pending"]) == 1 and int(f.attrs["replicas"]) == 2
+    r = mpirun(
+        4,
+        [
+            "run",
+            DECK,
+            "--resume",
+            str(local_full / "checkpoints" / "step_000004"),
+            *DELAY1,
+            *_sets(run__output=tmp_path, run__steps=8),
+        ],
+        timeout=180,
+    )
+    assert r.returncode == 0, r.output
+    assert "at step 4" in r.stdout and "verify OK" in r.stdout, r.output
+    a, b = _params(local_full), _params(tmp_path)
+    assert a.keys() == b.keys() and len(a) > 10
+    assert all(np.array_equal(a[n], b[n]) for n in a), [n for n in a if not (a[n] == b[n]).all()]
+    assert np.array_equal(_losses(local_full), _losses(tmp_path))
+
+
+def test_local_stop_signal_checkpoints_at_a_round_end_and_resumes_bitwise(
+    mpirun, tmp_path, local_full
+):
+    """SIGUSR1 during step 3: round (3, 4) carries it; with delay 1 its figures arrive at the
+    next round end (step 6), which checkpoints and stops."""
+    r = mpirun(
+        4,
+        ["run", DECK, *DELAY1, *_sets(run__output=tmp_path, run__steps=8)],
+        env={"HPCPIPE_INJECT_FAULT": "rank=2,at=step:3,kind=usr1"},
+        timeout=180,
+    )
+    assert r.returncode == 0, r.output
+    assert "stopping on signal after step 6/8 (the end of a round)" in r.stdout, r.output
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "preempted" and status["step"] == 6
+    r = mpirun(
+        4,
+        ["run", DECK, "--resume", *DELAY1, *_sets(run__output=tmp_path, run__steps=8)],
+        timeout=180,
+    )
+    assert r.returncode == 0, r.output
+    assert "at step 6" in r.stdout and "verify OK" in r.stdout, r.output
+    a, b = _params(local_full), _params(tmp_path)
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+    assert np.array_equal(_losses(local_full), _losses(tmp_path))
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_local_resume_past_the_end_on_another_pipeline_layout(mpirun, tmp_path, delay):
+    """A finished 4-step pp2 x dp2 run continued to 7 steps at pp1 x dp2: its last step stays a
+    round end taken at once, and the whole equals the reference of that."""
+    first = tmp_path / "first"
+    common = _sets(async__mode="local", async__average_every=3, async__delay=delay)
+    r = mpirun(
+        4,
+        ["run", DECK, *common, *_sets(run__output=first, run__steps=4, checkpoint__every=3)],
+        timeout=180,
+    )
+    assert r.returncode == 0 and "verify OK" in r.stdout, r.output
+    r = mpirun(
+        2,
+        [
+            "run",
+            DECK,
+            "--resume",
+            str(first / "checkpoints"),
+            *common,
+            *_sets(run__output=tmp_path / "more", run__steps=7, topology__pp=1),
+        ],
+        timeout=180,
+    )
+    assert r.returncode == 0, r.output
+    assert "at step 4" in r.stdout and "verify OK" in r.stdout, r.output
+    assert len(_losses(tmp_path / "more")) == 7
+
+
+def test_local_resume_with_other_replicas_is_bad_input(mpirun, tmp_path, local_full):
+    r = mpirun(
+        4,
+        [
+            "run",
+            DECK,
+            "--resume",
+            str(local_full / "checkpoints"),
+            *DELAY1,
+            *_sets(run__output=tmp_path, run__steps=12, topology__pp=1),
+        ],
+        timeout=120,
+    )
+    assert r.returncode == 2, r.output
+    assert "holds 2 replicas" in r.stderr and "topology.dp = 2" in r.stderr, r.output

@@ -22,7 +22,11 @@ LOCAL = ["--set", "async.mode=local"]
         ([*LOCAL, "--set", "async.versions=2"], "async.versions", "async.mode = 'stash' only"),
         ([*LOCAL, "--set", "async.delay=2"], "async.delay", "one of"),
         ([*LOCAL, "--set", "async.average_every=0"], "async.average_every", ">= 1"),
-        ([*LOCAL, "--set", "checkpoint.every=2"], "checkpoint.every", "not checkpointed"),
+        (
+            [*LOCAL, "--set", "async.average_every=4", "--set", "checkpoint.every=6"],
+            "checkpoint.every",
+            "not a multiple of async.average_every = 4",
+        ),
         ([*LOCAL, "--set", "replan.enabled=true"], "replan.enabled", "not re-planned"),
     ],
 )
