@@ -30,6 +30,12 @@ class AsyncConfig:
         "in flight); 2bw always holds at most 2",
         minimum=0,
     )
+    flush_every: int = option(
+        0,
+        "stash, 2bw: global batches between two flushes of the stream (it drains there; "
+        "checkpoints and stop signals are taken there); 0 = the whole run is one stream",
+        minimum=0,
+    )
     average_every: int = option(
         1,
         "local: optimizer steps between two parameter averagings (1 = every step); the last "
@@ -57,6 +63,13 @@ class AsyncConfig:
                         f"= {value} is read with async.mode = 'local' only (mode is "
                         f"{self.mode!r}): set async.mode = 'local' or remove the key",
                     )
+        if self.mode not in ("stash", "2bw") and self.flush_every:
+            raise ConfigError(
+                source,
+                "async.flush_every",
+                f"= {self.flush_every} is read with async.mode = 'stash' or '2bw' only (mode is "
+                f"{self.mode!r}): remove the key",
+            )
         if self.mode != "stash" and self.versions:
             raise ConfigError(
                 source,

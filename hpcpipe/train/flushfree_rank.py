@@ -47,7 +47,7 @@ class FlushFreeRank(PipelineRank):
     ):
         super().__init__(lowered, rank, stages, params, **kwargs)
         self.plan, self.optim, self.opt_state = plan, optim, opt_state
-        self.versions: dict[int, list[Params | None]] = {s: [params[s]] for s in stages}
+        self.versions: dict[int, list[Params | None]] = {}
         # (stage, microbatch) of the W (or BW) after which updates land, and how many
         compute = [a for a in self.actions if a.kind in (Kind.F, Kind.B, Kind.W, Kind.BW)]
         self._lands: dict[tuple[int, int], int] = {}
@@ -65,8 +65,15 @@ class FlushFreeRank(PipelineRank):
                         f"{k - 1} lands: a pipeline without a flush needs each stage's W in "
                         "window order"
                     )
-        self._newest = dict.fromkeys(stages, 0)
+        self.start_stream(0, plan.updates)
+
+    def start_stream(self, before: int, total: int) -> None:
+        """A new stream from the stages' current parameters (`self.params`): `before` updates
+        came earlier in the run, of `total` (the learning-rate schedule spans the run)."""
+        self.versions = {s: [self.params[s]] for s in self.stages}
+        self._newest = dict.fromkeys(self.stages, 0)
         self._mb_loss: dict[int, Any] = {}
+        self._before, self._total = before, total
 
     def _run_action(self, action: Action, step: int) -> None:
         s, kind, mb = action
@@ -95,7 +102,7 @@ class FlushFreeRank(PipelineRank):
         k = self._newest[s]
         grads = self.grads_tree(s)
         sq = grad_sq_norm(grads)
-        lr = learning_rate(self.optim, k, self.plan.updates)
+        lr = learning_rate(self.optim, self._before + k, self._total)
         new, self.opt_state[s] = apply_update(
             self.optim,
             self.versions[s][-1],
@@ -114,8 +121,8 @@ class FlushFreeRank(PipelineRank):
             self.versions[s][old] = None
 
     def finish_stream(self) -> list[Any]:
-        """After the stream: every stage's parameters are its newest version; the weighted
-        loss of each update (on the rank holding the last stage; empty elsewhere)."""
+        """After the stream (drained): every stage's parameters are its newest version; the
+        weighted loss of each update (on the rank holding the last stage; empty elsewhere)."""
         for s in self.stages:
             self.params[s] = self.versions[s][-1]
         if not self._mb_loss:
