@@ -133,6 +133,7 @@ SUMMARY = (
     "pipeline_step",
     "pipeline_synthetic",
     "flushfree",
+    "flushfree_synthetic",
     "async_dp",
     "sweep_grind",
     "plan_scale",

@@ -24,6 +24,7 @@ FIGURES = (
     "pipeline_pairs",
     "replan",
     "flushfree",
+    "flushfree_synthetic",
     "async_dp",
     "allreduce_overlap",
     "memory_peak",

@@ -156,6 +156,47 @@ def _pipeline(p: argparse.ArgumentParser) -> None:
 
 
 @benchmark(
+    "stream",
+    "a pipeline without a flush (2bw, stash) against every flushed schedule, stages sleeping "
+    "for the deck's costs: steady state vs the no-bubble bound",
+    "hpcpipe.bench.stream:run",
+)
+def _stream(p: argparse.ArgumentParser) -> None:
+    _deck(p, "inputs/gpt_pp4.toml")
+    p.add_argument("--mode", default="2bw", help="2bw (an update per global batch) or stash")
+    p.add_argument(
+        "--base", default="1f1b", help="the schedule streamed without a flush (default 1f1b)"
+    )
+    p.add_argument(
+        "--microbatches", type=int, default=0, help="per global batch (default 0: 2 x ranks)"
+    )
+    p.add_argument(
+        "--updates",
+        type=int,
+        default=8,
+        help="global batches in the stream (default 8: fill and drain outside its middle half)",
+    )
+    p.add_argument(
+        "--unit-ms", type=float, default=20.0, help="milliseconds per cost unit (default 20)"
+    )
+    p.add_argument(
+        "--act-bytes",
+        type=parse_bytes,
+        default=parse_bytes("4Ki"),
+        help="bytes of each activation message (default 4Ki)",
+    )
+    p.add_argument(
+        "--poll-us", type=float, default=20.0, help="sleep between two tests when polling"
+    )
+    p.add_argument(
+        "--wait",
+        choices=("auto", "mpi", "poll"),
+        default="auto",
+        help="wait in MPI Wait, or poll with sleeps (auto: poll when ranks outnumber cores)",
+    )
+
+
+@benchmark(
     "layout",
     "every layout of this world that fits a deck, run on emulated nodes with its modelled "
     "costs: measured step vs the layout search's prediction, and their rank correlation",

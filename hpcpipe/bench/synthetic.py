@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from hpcpipe.schedules.report import load_schedule
 from hpcpipe.schedules.simulate import durations
 from hpcpipe.train.pipeline import PipelineRank
 
-__all__ = ["SleepStage", "run_synthetic"]
+__all__ = ["SleepStage", "polling", "run_synthetic", "sleeping_runner", "synthetic_costs"]
 
 COLUMNS = [
     Column("schedule", "schedule", "", 16, "<"),
@@ -151,7 +151,7 @@ class SleepStage:
         yield from self.backward_weight(params, wctx).items()
 
 
-def _plan(config: Any, schedule: Schedule, unit: float) -> CostModel:
+def synthetic_costs(config: Any, schedule: Schedule, unit: float) -> CostModel:
     """The deck's cost model for this schedule, in seconds; transfers free (tiny messages)."""
     costs = cost_model(config.pipeline, schedule.num_ranks, schedule.num_stages)
     arrays = costs.stage_arrays(schedule.num_stages)
@@ -163,9 +163,18 @@ def _plan(config: Any, schedule: Schedule, unit: float) -> CostModel:
     )
 
 
-def _runner(
-    comm: MPI.Comm, lowered: Schedule, plan: CostModel, act_elems: int, poll_s: float
+def sleeping_runner(
+    comm: MPI.Comm,
+    lowered: Schedule,
+    plan: CostModel,
+    act_elems: int,
+    poll_s: float,
+    build: Callable[..., PipelineRank] = PipelineRank,
+    **extra: Any,
 ) -> tuple[PipelineRank, MPI.Comm]:
+    """`build(lowered, rank, stages, params, ...)` (PipelineRank or a subclass, `extra` its own
+    arguments) over `SleepStage`s with `plan`'s costs, on a duplicate of `comm` (returned, to
+    free); waits poll with `poll_s` sleeps when > 0."""
     arrays = plan.stage_arrays(lowered.num_stages)
     mine = lowered.stages_of_rank[comm.rank]
     stages = {
@@ -179,15 +188,16 @@ def _runner(
         for s in mine
     }
     pp = comm.Dup()
-    runner = PipelineRank(
+    runner = build(
         lowered,
         comm.rank,
-        stages,  # type: ignore[arg-type]
+        stages,
         {s: stage.init() for s, stage in stages.items()},
         pp_comm=pp,
         dp_comm=MPI.COMM_SELF,
         backend=make_backend("cpu", "float32", 0),
         act_shape=(act_elems,),
+        **extra,
     )
     if poll_s > 0:
         runner.mailbox.free()
@@ -198,7 +208,7 @@ def _runner(
     return runner, pp
 
 
-def _polling(comm: MPI.Comm, wait: str) -> bool:
+def polling(comm: MPI.Comm, wait: str) -> bool:
     """`auto`: poll when this node holds more ranks than it has cores."""
     if wait != "auto":
         return wait == "poll"
@@ -235,7 +245,7 @@ def run_synthetic(comm: MPI.Comm, args: argparse.Namespace) -> Report:
     unit = args.unit_ms * 1e-3
     act_elems = max(1, args.act_bytes // 4)
     config = bench_config(args.deck, args.overrides, comm.size)
-    poll = _polling(comm, args.wait)
+    poll = polling(comm, args.wait)
     names = schedule_names(args.schedules)
     report = Report(
         "pipeline-synthetic",
@@ -284,10 +294,11 @@ def run_synthetic(comm: MPI.Comm, args: argparse.Namespace) -> Report:
             report.add({"schedule": label, "skipped": str(exc).splitlines()[0]})
             report.note(f"{label} skipped: {str(exc).splitlines()[0]}")
             continue
-        plan = _plan(cfg, schedule, unit)
+        plan = synthetic_costs(cfg, schedule, unit)
         if lowered.pairs.size:
             pair_comm[label] = _pair_comm(lowered, plan)
-        runner, pp = _runner(comm, lowered, plan, act_elems, args.poll_us * 1e-6 if poll else 0.0)
+        poll_s = args.poll_us * 1e-6 if poll else 0.0
+        runner, pp = sleeping_runner(comm, lowered, plan, act_elems, poll_s)
         m = lowered.num_microbatches
         record = []
         for step in range(args.repeats + 1):

@@ -135,6 +135,30 @@ def test_pipeline_synthetic_overlapped_pairs(mpirun, tmp_path):
     assert any("F&B pairs save" in t["what"] for t in data["targets"])
 
 
+def test_stream_against_flushed_schedules(mpirun, tmp_path):
+    """`bench stream` on 4 sleeping ranks: the flushed rows and the stream's, the plan figures
+    the simulator's (1F1B flushed at p = 4, m = 8: m / (m + p - 1) of the bound; the stream's
+    steady state: the bound itself), the targets reported whatever they measure."""
+    args = ["stream", TINY, "--unit-ms", "1", "--repeats", "1", "--updates", "4"]
+    args += ["--schedules", "1f1b,zb-h2"]
+    data = _bench(mpirun, tmp_path, 4, args)
+    rows = {r["schedule"]: r for r in data["rows"]}
+    assert list(rows) == ["1f1b (flushed)", "zb-h2 (flushed)", "1f1b 2bw stream"]
+    flushed, stream = rows["1f1b (flushed)"], rows["1f1b 2bw stream"]
+    assert data["params"]["microbatches"] == 8
+    assert flushed["plan"] == pytest.approx(8 / 11)
+    assert stream["plan"] == pytest.approx(1.0)
+    assert stream["versions"] == 2 and stream["peak_mb"] == flushed["peak_mb"] == 4
+    assert rows["zb-h2 (flushed)"]["peak_mb"] > stream["peak_mb"]  # not at the same memory
+    _positive(list(rows.values()), "measured", "ratio", "measured_ms")
+    assert 0 < stream["whole"] <= stream["whole_plan"] * 1.05
+    assert data["summary"]["best_flushed_same_memory_schedule"] == "1f1b (flushed)"
+    assert {t["what"] for t in data["targets"]} == {
+        "stream steady state / no-bubble bound",
+        "stream vs best flushed at no more activations",
+    }
+
+
 FAKE_KRIPKE = """#!/bin/sh
 # stands in for Kripke v1.2.x: checks the side-by-side flags, prints its timers
 case "$*" in

@@ -20,7 +20,18 @@ from hpcpipe.schedules import SCHEDULE_NAMES, CostModel, Kind, build_schedule, s
 from hpcpipe.schedules.ir import from_csv
 from hpcpipe.schedules.replay import action_counts, measured_costs, replay_in_order
 
-NAMES = ("p2p", "allreduce", "alltoall", "pipeline", "layout", "sweep", "ckpt", "overlap", "memory")
+NAMES = (
+    "p2p",
+    "allreduce",
+    "alltoall",
+    "pipeline",
+    "stream",
+    "layout",
+    "sweep",
+    "ckpt",
+    "overlap",
+    "memory",
+)
 
 
 def test_help_lists_every_benchmark(cli):
