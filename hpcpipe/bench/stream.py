@@ -46,7 +46,7 @@ TARGET_BOUND = 0.97
 """The stream's steady state, as a share of the no-bubble bound (the issue's target)."""
 
 COLUMNS = [
-    Column("schedule", "schedule", "", 22, "<"),
+    Column("schedule", "schedule", "", 26, "<"),
     Column("peak_mb", "act peak", ".0f", 8),
     Column("versions", "versions", ".0f", 8),
     Column("plan", "plan", ".3f", 6),
