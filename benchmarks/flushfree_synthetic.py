@@ -31,13 +31,13 @@ def plot(result: dict) -> None:
     ax.set_xticks(x, [r["schedule"].replace(" (flushed)", "") for r in rows], rotation=30,
                   ha="right", fontsize=8)  # fmt: skip
     ax.set_ylabel("throughput / no-bubble bound")
-    ax.set_ylim(0, 1.1)
+    ax.set_ylim(0, 1.2)
     ax.set_title(
         f"{result['params']['base']} {result['params']['mode']} without a flush (red) vs "
         f"flushed schedules, m={result['params']['microbatches']}, sleeping stages",
         fontsize=9,
     )
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", ncols=2)
     save_figure(fig, FIGURE)
 
 
