@@ -42,6 +42,14 @@ class AsyncConfig:
         "step always averages, so the run ends with one model",
         minimum=1,
     )
+    round_end: str = option(
+        "all",
+        "local: when a round ends; all: once every replica has taken average_every steps (a "
+        "straggler holds the others back); first: once the first replica has, the others "
+        "ending theirs after the step they are in (a straggler takes fewer steps, its shard of "
+        "the rest is skipped; the steps each replica took are recorded for the reference)",
+        choices=("all", "first"),
+    )
     delay: int = option(
         0,
         "local: 0 averages at the round's end (every replica waits for the slowest); 1 starts "
@@ -55,12 +63,13 @@ class AsyncConfig:
             for key, value, default in (
                 ("average_every", self.average_every, 1),
                 ("delay", self.delay, 0),
+                ("round_end", self.round_end, "all"),
             ):
                 if value != default:
                     raise ConfigError(
                         source,
                         f"async.{key}",
-                        f"= {value} is read with async.mode = 'local' only (mode is "
+                        f"= {value!r} is read with async.mode = 'local' only (mode is "
                         f"{self.mode!r}): set async.mode = 'local' or remove the key",
                     )
         if self.mode not in ("stash", "2bw") and self.flush_every:

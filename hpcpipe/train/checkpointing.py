@@ -177,10 +177,12 @@ def save(
         if replica is not None or _owns(ctx, key):
             host = ctx.backend.to_host(value)
             tensors[name] = (ShardSpec(name, host.shape, host.dtype), host)
+    opt_steps = {st.step for st in opt_state.values()}
+    if replica is not None and 0 in opt_state:  # replicas step apart: each keeps its count
+        tensors[prefix + OPTIM_STEP] = _step_tensor(prefix + OPTIM_STEP, opt_state[0].step)
     for name, value in (extra or {}).items():
         host = ctx.backend.to_host(value)
         tensors[name] = (ShardSpec(name, host.shape, host.dtype), host)
-    opt_steps = {st.step for st in opt_state.values()}
     index = None  # only rank 0's go to the index: the others need not build (or hold) them
     if ctx.rank == 0:
         index = _index_attrs(ctx, step, opt_steps, history)
@@ -202,6 +204,16 @@ def save(
         layout=ck.layout,
         fsync=ck.fsync,
     )
+
+
+OPTIM_STEP = "optim_step"
+"""A replica's optimizer step count (replicas training apart may have taken different ones),
+written by the rank holding its first stage."""
+
+
+def _step_tensor(name: str, step: int) -> tuple[ShardSpec, np.ndarray]:
+    value = np.array([step], dtype=np.int64)
+    return ShardSpec(name, value.shape, value.dtype), value
 
 
 def _index_attrs(
@@ -312,6 +324,8 @@ def _read_state(
     prefix = "" if replica is None else replica_prefix(replica)
     for name, _, value in _walk(params, opt_state, prefix):
         wanted[name] = ShardSpec(name, tuple(value.shape), np.dtype(value.dtype))
+    if replica is not None:
+        wanted[prefix + OPTIM_STEP] = ShardSpec(prefix + OPTIM_STEP, (1,), np.dtype(np.int64))
     wanted.update(extra(attrs) if extra is not None else {})
     if rank == 0:  # the metrics history lives on rank 0 only
         for key in keys:
@@ -324,6 +338,8 @@ def _read_state(
         raise ConfigError("--resume", "", str(exc) + older_hint(path)) from None
     for key in keys if rank == 0 else ():
         history[key] = loaded.pop(HISTORY + key).tolist()
+    if replica is not None:
+        optimizer_step = int(loaded.pop(prefix + OPTIM_STEP)[0])
     return loaded, step, optimizer_step, history, topology, attrs
 
 

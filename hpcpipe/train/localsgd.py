@@ -21,6 +21,7 @@ and MoE, re-planning.
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from pathlib import Path
@@ -34,10 +35,12 @@ from hpcpipe.io.trace import EventKind
 from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.mpi.averaging import ReplicaAverager
 from hpcpipe.mpi.collectives import allreduce
+from hpcpipe.mpi.notices import RoundNotices
 from hpcpipe.runtime import RunContext
 from hpcpipe.train.checkpointing import replica_prefix, restore, save
 from hpcpipe.train.localsgd_checks import check_local
 from hpcpipe.train.localsgd_reference import round_ends
+from hpcpipe.train.optim import learning_rate
 from hpcpipe.train.pipeline import StepResult
 from hpcpipe.train.workload import Trainer
 
@@ -45,6 +48,8 @@ __all__ = ["LocalTrainer", "run_local"]
 
 PENDING = "pending"
 """Where a replica keeps the totals of the averaging round a checkpoint caught in flight."""
+TAKEN = "local/taken"
+"""The steps each replica took in each round so far ([rounds, replicas], rank 0's)."""
 
 
 def run_local(ctx: RunContext) -> None:
@@ -58,10 +63,12 @@ def run_local(ctx: RunContext) -> None:
     every, steps = cfg.checkpoint.every, cfg.run.steps
     state, last, done = "finished", None, start
     try:
-        for step in range(start, steps):
+        step = start
+        while step < steps:
             with ctx.watchdog.phase(f"step {step + 1}", trainer.where):
                 stopping = trainer.step(step, stop)
-            done = step + 1
+            # a round ended early (the first replica was done): skip to its end
+            done = step = trainer.next_step
             if stopping or (every and (done % every == 0 or done == steps)):
                 last = trainer.checkpoint(done)  # waits for the round in flight
                 stopping = stopping or trainer.stop_seen
@@ -78,6 +85,8 @@ def run_local(ctx: RunContext) -> None:
         write_status(ctx.output, state, done, last)
     trainer.finish(complete=state == "finished")
     trainer.averager.free()
+    if trainer.notices is not None:
+        trainer.notices.free()
 
 
 class LocalTrainer(Trainer):
@@ -91,7 +100,14 @@ class LocalTrainer(Trainer):
         # the ends where the replicas take the mean at once: the run's last step, and those of
         # earlier runs this one continues (`restore`)
         self.at_once = {cfg.run.steps}
-        self.ends = set(round_ends(cfg.run.steps, a.average_every))
+        self.ends = round_ends(cfg.run.steps, a.average_every)
+        # rounds that end when the first replica is done: the others hear of it here
+        first = a.round_end == "first" and ctx.rankmap.dp > 1
+        self.notices = RoundNotices(ctx.comms.group("dp")) if first else None
+        self.next_step = 0  # where the run goes on after the step just taken
+        self._step = 0  # the step being taken
+        self._cut = False  # this replica ends the round after this step (another was done)
+        self.taken: list[list[int]] = []  # rank 0: steps each replica took, per round
         self.averager = ReplicaAverager(
             ctx.comms.group("dp"),
             ctx.backend,
@@ -102,12 +118,15 @@ class LocalTrainer(Trainer):
         self._replica: tuple[float, np.ndarray] = (0.0, np.zeros(2))
         self._stop = 0.0  # any stop signal seen on this rank since the last round started
         self._in_flight: list[tuple] = []  # the figures of the round being averaged
+        self._round = -1  # the round being averaged
         self._waiting = False
         self.stop_seen = False  # a stop signal found by waiting for a round at a checkpoint
         ctx.log(
             f"local steps: {ctx.rankmap.dp} replica(s) of {self.objective_rows} rows, averaging "
             f"every {a.average_every} step(s) with delay {a.delay} "
-            f"({len(self.ends)} round(s)); optimizer state stays each replica's own"
+            f"({len(self.ends)} round(s)"
+            + ("; a round ends when the first replica is done" if first else "")
+            + "); optimizer state stays each replica's own"
         )
 
     def _gradient_comms(self) -> tuple[Any, Any]:
@@ -124,10 +143,18 @@ class LocalTrainer(Trainer):
     def step(self, step: int, stop: StopSignal | None = None) -> bool:
         t0 = time.perf_counter()
         self.averager.progress()
+        self._step, self.next_step = step, step + 1
         stopping = super().step(step, stop)
         if self.ctx.rank == 0:  # what a straggling replica costs the others: their waits
-            self.history.setdefault("wall_time", []).append(time.perf_counter() - t0)
+            walls = self.history.setdefault("wall_time", [])
+            walls.append(time.perf_counter() - t0)
+            walls += [0.0] * (self.next_step - step - 1)  # the steps it skipped
         return stopping
+
+    def _round_of(self, step: int) -> tuple[int, int, int]:
+        """The round holding `step`: its index, first step and end (one past its last)."""
+        c = bisect.bisect_right(self.ends, step)
+        return c, self.ends[c - 1] if c else 0, self.ends[c]
 
     def _scalars(self, result: StepResult, stop_flag: float) -> tuple[float, float, bool]:
         """Inside the replica: its mean loss, its squared norm (clipped alone), its compute
@@ -136,13 +163,23 @@ class LocalTrainer(Trainer):
         total = allreduce(
             self.step_comm, np.array([result.loss_sum, dense + expert, result.compute_time])
         )
+        # another replica done with the round, as any of this replica's ranks has heard
+        heard = self.notices is not None and self.notices.arrived(self._round_of(self._step)[0])
         peaks = allreduce(  # a stop seen by any of the replica's ranks is the replica's
             self.step_comm,
-            np.array([float(result.peak_live_bytes), float(result.peak_live_units), stop_flag]),
+            np.array(
+                [
+                    float(result.peak_live_bytes),
+                    float(result.peak_live_units),
+                    stop_flag,
+                    float(heard),
+                ]
+            ),
             "max",
         )
         self._replica = (float(total[2]), peaks[:2])
         self._stop = max(self._stop, float(peaks[2]))
+        self._cut = bool(peaks[3] > 0)
         return float(total[0]), float(total[1]), False
 
     def _queue_figures(self, step, result, moe_stats, loss, sq_norm, lr, dt) -> None:
@@ -153,21 +190,34 @@ class LocalTrainer(Trainer):
         """Figures travel with the averaging (see `_end_of_step`): nothing to reduce here."""
 
     def _end_of_step(self, step: int) -> bool:
-        """At a round's end: average (delay 0), or apply the last round and start this one
-        (delay 1). True when a completed round carried a stop signal."""
-        if step + 1 not in self.ends:
+        """At a round's end (its last step, or any step once another replica is done with
+        it): average (delay 0), or apply the last round and start this one (delay 1). True
+        when a completed round carried a stop signal."""
+        c, begin, end = self._round_of(step)
+        if step + 1 != end and not self._cut:
             return False
+        self.next_step = end
         stop = False
         if self.averager.in_flight:  # delay 1: last round's mean
             stop = self._complete()
         rows, self._pending = self._pending, []
-        sums = np.array([[r[1], r[2], r[3], 0.0] for r in rows], dtype=np.float64)
-        sums[:, 3] = self._stop
-        maxima = np.array([[r[4][0], r[4][1], r[6]] for r in rows], dtype=np.float64)
+        taken = {r[0]: r for r in rows}
+        # per step of the round: loss, squared norm, compute, stop, 1 if this replica took it
+        sums = np.zeros((end - begin, 5))
+        maxima = np.zeros((end - begin, 3))  # peak bytes, peak microbatches, step time
+        for i, s in enumerate(range(begin, end)):
+            if s in taken:
+                _, loss, sq_norm, compute, peaks, _, dt = taken[s]
+                sums[i] = (loss, sq_norm, compute, self._stop, 1.0)
+                maxima[i] = (peaks[0], peaks[1], dt)
+        counts = np.zeros(self.ctx.rankmap.dp)
+        counts[self.coords["dp"]] = len(rows)  # which replica took how many
         self._stop = 0.0
-        self.averager.start(self.params, sums.ravel(), maxima.ravel())
-        self._in_flight = rows
-        if self.averager.delay == 0 or step + 1 in self.at_once:
+        if self.notices is not None:
+            self.notices.announce(c)
+        self.averager.start(self.params, np.concatenate([sums.ravel(), counts]), maxima.ravel())
+        self._in_flight, self._round = [begin, end], c
+        if self.averager.delay == 0 or end in self.at_once:
             stop = self._complete(at_once=True) or stop
         return stop
 
@@ -184,28 +234,35 @@ class LocalTrainer(Trainer):
         if self.rec.enabled:  # the wait for the replicas' mean (value 1: parameter averaging)
             nbytes = int(self.averager.sum.flat.nbytes)
             self.rec.record(EventKind.WAIT, -1, -1, t0, self.rec.now(), nbytes, value=1.0)
-        rows, self._in_flight = self._in_flight, []
-        n = self.ctx.rankmap.dp
-        sums, maxima = sums.reshape(len(rows), 4), maxima.reshape(len(rows), 3)
-        for (step, *_, lr, _), total, peak in zip(rows, sums, maxima, strict=True):
+        begin, end = self._in_flight
+        self._in_flight = []
+        n = end - begin
+        counts, sums, maxima = sums[5 * n :], sums[: 5 * n].reshape(n, 5), maxima.reshape(n, 3)
+        if self.ctx.rank == 0:
+            self.taken.append([int(x) for x in counts])
+        steps = self.cfg.run.steps
+        for s, total, peak in zip(range(begin, end), sums, maxima, strict=True):
             # world compute time (each replica's is its pp ranks' sum), the slowest replica's
-            # step time, the replicas' mean loss and mean squared norm
+            # step time, the mean loss and mean squared norm of the replicas that took it
+            took = total[4]
             self._log_step(
-                step,
+                s,
                 np.array([total[2], 0.0]),
                 peak[:2],
-                total[0] / n,
-                total[1] / n,
-                lr,
+                total[0] / took,
+                total[1] / took,
+                learning_rate(self.cfg.optim, s, steps),
                 float(peak[2]),
             )
-        return bool(len(rows) and sums[:, 3].max() > 0)
+        return bool(n and sums[:, 3].max() > 0)
 
     def _complete(self, at_once: bool = False) -> bool:
         """Wait for the round in flight (unless a checkpoint did), take its parameters."""
         stop = self._settle()
         self.params = self.averager.finish(self.params, at_once=at_once)
         self.runner.params = self.params
+        if self.notices is not None:  # every replica has ended that round: its notices too
+            self.notices.close(self._round)
         return stop
 
     def checkpoint(self, done: int) -> Path:
@@ -222,6 +279,8 @@ class LocalTrainer(Trainer):
                 f"{prefix}/unit{i:04d}/{k}": total
                 for (_, i, k), total in self.averager.pending().items()
             }
+        if self.ctx.rank == 0:  # the steps each replica took in each round so far
+            extra[TAKEN] = np.array(self.taken, dtype=np.int64).reshape(-1, self.ctx.rankmap.dp)
         ends = sorted(e for e in self.at_once if e <= done)
         return save(
             self.ctx,
@@ -231,7 +290,11 @@ class LocalTrainer(Trainer):
             self.history,
             replica=self.coords["dp"],
             extra=extra,
-            attrs={"async_earlier_ends": json.dumps(ends), "local_pending": int(bool(extra))},
+            attrs={
+                "async_earlier_ends": json.dumps(ends),
+                "local_pending": int(self.averager.in_flight),
+                "local_rounds": len(self.taken),
+            },
         )
 
     def restore(self) -> int:
@@ -246,13 +309,19 @@ class LocalTrainer(Trainer):
         }
         prefix = replica_prefix(self.coords["dp"]) + PENDING
 
+        dp, rank0 = self.ctx.rankmap.dp, self.ctx.rank == 0
+
         def pending(attrs: dict[str, Any]) -> dict[str, ShardSpec]:
-            if not attrs.get("local_pending"):
-                return {}
-            return {
-                f"{prefix}/unit{i:04d}/{k}": ShardSpec(f"{prefix}/unit{i:04d}/{k}", *shape)
-                for (_, i, k), shape in shapes.items()
-            }
+            wanted = {}
+            rounds = attrs.get("local_rounds")
+            if rank0 and isinstance(rounds, int) and rounds > 0:
+                wanted[TAKEN] = ShardSpec(TAKEN, (rounds, dp), np.dtype(np.int64))
+            if attrs.get("local_pending"):
+                wanted |= {
+                    f"{prefix}/unit{i:04d}/{k}": ShardSpec(f"{prefix}/unit{i:04d}/{k}", *shape)
+                    for (_, i, k), shape in shapes.items()
+                }
+            return wanted
 
         resumed = restore(
             self.ctx, self.params, self.opt_state, replica=self.coords["dp"], extra=pending
@@ -265,11 +334,16 @@ class LocalTrainer(Trainer):
             earlier = None
         if not isinstance(earlier, list) or not all(isinstance(e, int) for e in earlier):
             raise ConfigError(
-                "--resume", "", "checkpoint attribute 'local_at_once' is damaged (not a step list)"
+                "--resume",
+                "",
+                "checkpoint attribute 'async_earlier_ends' is damaged (not a step list)",
             )
         a = self.cfg.sections["async"]
         self.at_once |= set(earlier)
-        self.ends = set(round_ends(self.cfg.run.steps, a.average_every, self.at_once))
+        self.ends = round_ends(self.cfg.run.steps, a.average_every, self.at_once)
+        taken = resumed.extra.pop(TAKEN, None)
+        if taken is not None:
+            self.taken = taken.tolist()
         if resumed.extra:
             xp = self.ctx.xp
             totals = {
@@ -278,6 +352,13 @@ class LocalTrainer(Trainer):
             }
             self.averager.resume(self.params, totals)
         return resumed.step
+
+    def metrics_arrays(self) -> dict[str, np.ndarray]:
+        """`replica_steps` [rounds, replicas]: the steps each replica took in each round
+        (fewer than the round's for a straggler when a round ends with the first replica)."""
+        return {
+            "replica_steps": np.array(self.taken, dtype=np.int64).reshape(-1, self.ctx.rankmap.dp)
+        }
 
     def _verify(self, final: dict[int, dict[str, np.ndarray]] | None) -> None:
         from hpcpipe.train.localsgd_reference import train_local_reference
@@ -298,6 +379,7 @@ class LocalTrainer(Trainer):
             microbatches=self.m,
             dtype=cfg.device.dtype,
             at_once=self.at_once,
+            taken=self.taken,
         )
         compare_with_reference(
             ctx.log,

@@ -16,6 +16,11 @@ steps; the last step of the run always ends one. At the end of a round:
   from the end of a shorter one: that run's last step stays a round end taken at once
   (`at_once`), as it was.
 
+A round ends when every replica has taken its steps, or (`taken`) when the first replica has:
+then replica r takes only the first `taken[c][r]` steps of round c (the shards of the others
+are skipped) and waits, its parameters unchanged, for the round's end. Either way step s
+reads shard r of global batch s and the learning rate of step s.
+
 Optimizer state (momentum, Adam moments) stays each replica's own. The logged loss of a step is
 the mean of the replicas' losses (the mean over the global batch, as synchronous training logs
 it). With R = 1, or average_every = 1 and plain SGD, this is synchronous training; a run under
@@ -25,7 +30,7 @@ MPI computes the same sums in another order, so it must equal this to rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,11 +73,14 @@ def train_local_reference(
     dtype: Any = "float64",
     xp: Any = np,
     at_once: Iterable[int] = (),
+    taken: Sequence[Sequence[int]] | None = None,
 ) -> ReferenceResult:
     """Train `replicas` replicas for `steps` steps, averaging as the module docstring says;
-    `microbatches` per replica and step; `at_once`: earlier runs' last steps (resumed runs).
-    Returns the mean losses and the final (common) parameters; `grad_norms` is the root mean
-    square of the replicas' norms."""
+    `microbatches` per replica and step; `at_once`: earlier runs' last steps (resumed runs);
+    `taken[c][r]`: the steps replica r took in round c, the first ones of the round (rounds
+    that end when the first replica is done; None: every replica takes every step). Returns
+    the mean losses and the final (common) parameters; a step's loss and `grad_norms` (root
+    mean square) are over the replicas that took it."""
     if replicas < 1 or data.global_batch % replicas:
         raise ValueError(f"{replicas} replicas must divide the global batch of {data.global_batch}")
     if average_every < 1 or delay not in (0, 1):
@@ -84,13 +92,18 @@ def train_local_reference(
     states = [init_state(optim, params[r]) for r in range(replicas)]
     ds = build_dataset(data, model, seed)
     at_once = {*at_once, steps}
-    ends = set(round_ends(steps, average_every, at_once))
+    ordered = round_ends(steps, average_every, at_once)
+    ends = set(ordered)
+    if taken is not None:
+        _check_taken(taken, ordered, replicas)
     snaps: list[Params] | None = None
     result = ReferenceResult([], [], {}, optimal_loss=ds.optimal_loss)
+    c, begin = 0, 0  # the round and its first step
     for step in range(steps):
         lr = learning_rate(optim, step, steps)
         loss_sum = sq_sum = 0.0
-        for r in range(replicas):
+        took = [r for r in range(replicas) if taken is None or step - begin < taken[c][r]]
+        for r in took:
             inputs, targets = ds.shard(step, r, replicas)
             loss, grads = loss_and_grads(
                 stage, params[r], xp.asarray(inputs), xp.asarray(targets), microbatches
@@ -111,10 +124,11 @@ def train_local_reference(
             )
             loss_sum += loss
             sq_sum += sq
-        result.losses.append(loss_sum / replicas)
-        result.grad_norms.append(math.sqrt(sq_sum / replicas))
+        result.losses.append(loss_sum / len(took))
+        result.grad_norms.append(math.sqrt(sq_sum / len(took)))
         if step + 1 not in ends:
             continue
+        c, begin = c + 1, step + 1
         last = step + 1 in at_once
         if delay == 0:
             mean = _mean(params)
@@ -128,6 +142,21 @@ def train_local_reference(
             snaps = None
     result.params = to_host(params[0])
     return result
+
+
+def _check_taken(taken: Sequence[Sequence[int]], ends: list[int], replicas: int) -> None:
+    """Each round: every replica's steps between 1 and the round's length, and the first
+    replica done (one at least) took all of them."""
+    lengths = [e - b for b, e in zip([0, *ends[:-1]], ends, strict=True)]
+    good = len(taken) == len(ends) and all(
+        len(row) == replicas and min(row) >= 1 and max(row) == n
+        for row, n in zip(taken, lengths, strict=False)
+    )
+    if not good:
+        raise ValueError(
+            f"taken must give, for each of the {len(ends)} rounds (lengths {lengths}), each of "
+            f"the {replicas} replicas' steps: 1 to the round's length, which one of them took"
+        )
 
 
 def _mean(trees: list[Params]) -> Params:

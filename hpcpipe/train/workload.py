@@ -542,7 +542,13 @@ class Trainer:
         )
         if ctx.rank == 0:
             _write_metrics(
-                ctx.output / "metrics.h5", self.history, cfg, timing, memory, self.replans
+                ctx.output / "metrics.h5",
+                self.history,
+                cfg,
+                timing,
+                memory,
+                self.replans,
+                self.metrics_arrays(),
             )
             if cfg.train.save_params:
                 _write_params(ctx.output / "params.h5", final)
@@ -558,6 +564,10 @@ class Trainer:
         self.runner.free()
         if self.group is not None:
             self.group.free()
+
+    def metrics_arrays(self) -> dict[str, np.ndarray]:
+        """More datasets for metrics.h5 beside the per-step history (rank 0's)."""
+        return {}
 
     def _verify(self, final: dict[int, dict[str, np.ndarray]] | None) -> None:
         """Rank 0: retrain with the single-process reference and compare."""
@@ -797,6 +807,7 @@ def _write_metrics(
     timing: dict[str, Any] | None = None,
     memory: dict[str, Any] | None = None,
     replans: Sequence[dict[str, Any]] = (),
+    arrays: dict[str, np.ndarray] | None = None,
 ) -> None:
     import h5py
 
@@ -812,6 +823,8 @@ def _write_metrics(
             f.attrs[f"memory_{key}"] = np.asarray(value)
         for key, values in history.items():
             f.create_dataset(key, data=np.asarray(values))
+        for key, value in (arrays or {}).items():
+            f.create_dataset(key, data=value)
         if replans:  # one row per switch of the layer partition ([replan])
             group = f.create_group("replan")
             for key in replans[0]:

@@ -274,3 +274,66 @@ def test_local_resume_with_other_replicas_is_bad_input(mpirun, tmp_path, local_f
     )
     assert r.returncode == 2, r.output
     assert "holds 2 replicas" in r.stderr and "topology.dp = 2" in r.stderr, r.output
+
+
+# Rounds that end when the first replica is done (async.round_end = "first"): a straggler takes
+# fewer steps; the steps each replica took are recorded, and the reference replays them.
+
+FIRST = _sets(
+    async__mode="local",
+    async__average_every=4,
+    async__delay=1,
+    async__round_end="first",
+)
+
+
+def test_rounds_ended_by_the_first_replica_replay_exactly(mpirun, tmp_path):
+    """Replica 1's second pipeline rank computes 4x slower from step 2: it ends its rounds
+    early, the fast replica takes every step; the run equals the reference replaying the
+    recorded steps; a checkpoint keeps them and a resume verifies the whole run."""
+    slow = {"HPCPIPE_INJECT_FAULT": "rank=3,at=step:2,kind=slow,factor=4"}
+    out = tmp_path / "first"
+    r = mpirun(
+        4,
+        ["run", DECK, *FIRST, *_sets(run__output=out, run__steps=12, checkpoint__every=4)],
+        env=slow,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.output
+    assert "a round ends when the first replica is done" in r.stdout
+    assert "verify OK" in r.stdout, r.output
+    with h5py.File(out / "metrics.h5") as f:
+        taken = f["replica_steps"][()]
+        walls, losses = f["wall_time"][()], f["loss"][()]
+    assert taken.shape == (3, 2) and (taken[:, 0] == 4).all() and (taken >= 1).all()
+    assert taken[:, 1].sum() < taken[:, 0].sum(), taken  # the straggler skipped steps
+    assert losses.shape == walls.shape == (12,) and np.isfinite(losses).all()
+    r = mpirun(
+        4,
+        [
+            "run",
+            DECK,
+            "--resume",
+            str(out / "checkpoints" / "step_000004"),
+            *FIRST,
+            *_sets(run__output=tmp_path / "resumed", run__steps=12),
+        ],
+        env=slow,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.output
+    assert "at step 4" in r.stdout and "verify OK" in r.stdout, r.output
+    with h5py.File(tmp_path / "resumed" / "metrics.h5") as f:
+        assert f["replica_steps"][0].tolist() == taken[0].tolist()  # the round before, kept
+
+
+def test_rounds_ended_by_the_first_replica_without_a_straggler(mpirun, tmp_path):
+    """pp1 x dp4, delay 0: whoever is first, the reference replays the steps taken."""
+    first0 = _sets(async__mode="local", async__average_every=2, async__round_end="first")
+    r = mpirun(
+        4,
+        ["run", DECK, *first0, *_sets(run__output=tmp_path, run__steps=6, topology__pp=1)],
+        timeout=180,
+    )
+    assert r.returncode == 0, r.output
+    assert "verify OK" in r.stdout, r.output

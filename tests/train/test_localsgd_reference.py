@@ -106,3 +106,55 @@ def test_bad_arguments():
         local(replicas=3)
     with pytest.raises(ValueError, match="delay"):
         local(delay=2)
+
+
+def test_rounds_ended_by_the_first_replica_replay_the_steps_each_took():
+    """taken[c][r]: replica r takes the first taken[c][r] steps of round c, then waits with its
+    parameters unchanged; a step's loss is over the replicas that took it. Replayed by hand:
+    rounds of 2 steps, delay 0; replica 1 skips step 2, replica 0 skips step 4."""
+    units = build_model(GPT)
+    stage = Stage(units, range(len(units)))
+    theta = [stage.init(3, np, "float64")] * 2
+    states = [init_state(ADAMW, theta[0])] * 2
+    ds = build_dataset(DATA, GPT, 3)
+    taken, steps, losses = [[2, 1], [1, 2]], 4, []
+    for step in range(steps):
+        c, j = divmod(step, 2)
+        mine = []
+        for r in range(2):
+            if j >= taken[c][r]:
+                continue
+            x, t = ds.shard(step, r, 2)
+            loss, g = loss_and_grads(stage, theta[r], x, t, 2)
+            lr = learning_rate(ADAMW, step, steps)
+            theta[r], states[r] = apply_update(ADAMW, theta[r], g, states[r], lr)
+            mine.append(loss)
+        losses.append(sum(mine) / len(mine))
+        if j == 1:
+            mean = {
+                i: {k: (v + theta[1][i][k]) / 2 for k, v in p.items()} for i, p in theta[0].items()
+            }
+            theta = [mean, mean]
+    ours = local(average_every=2, steps=steps, taken=taken)
+    np.testing.assert_allclose(ours.losses, losses, rtol=1e-13)
+    assert rel(ours.params, theta[0]) < 1e-14
+    full = local(average_every=2, steps=steps)
+    assert ours.losses[0] == full.losses[0] and ours.losses[1] != full.losses[1]
+    # every replica taking every step is the default, bit for bit
+    again = local(average_every=2, delay=1, steps=steps, taken=[[2, 2], [2, 2]])
+    assert again.losses == local(average_every=2, delay=1, steps=steps).losses
+
+
+@pytest.mark.parametrize(
+    "taken",
+    [
+        [[2, 1]],  # a round missing
+        [[2, 1, 1], [2, 2]],  # a replica too many
+        [[2, 0], [2, 2]],  # a replica that took no step
+        [[1, 1], [2, 2]],  # nobody took the whole round
+        [[3, 1], [2, 2]],  # more steps than the round has
+    ],
+)
+def test_bad_taken_is_refused(taken):
+    with pytest.raises(ValueError, match="taken must give"):
+        local(average_every=2, steps=4, taken=taken)
