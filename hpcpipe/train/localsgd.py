@@ -115,6 +115,7 @@ class LocalTrainer(Trainer):
             delay=a.delay,
             bucket_bytes=int(cfg.train.bucket_mb * 2**20),
         )
+        self.runner.background = self.averager.progress  # the round in flight, between actions
         self._replica: tuple[float, np.ndarray] = (0.0, np.zeros(2))
         self._stop = 0.0  # any stop signal seen on this rank since the last round started
         self._in_flight: list[tuple] = []  # the figures of the round being averaged

@@ -9,7 +9,7 @@ names the rank, the step and the action, and shows where it was in the rank's ac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +111,10 @@ class PipelineRank:
         self.expert_reducer = BucketedAllreduce(
             expert_dp_comm if expert_dp_comm is not None else dp_comm, backend, bucket_bytes
         )
+        # more nonblocking work that should advance between actions (a replica's averaging):
+        # MPI moves a message only when it is called, and a rank with no stage messages (pp 1)
+        # makes no MPI call between its actions otherwise
+        self.background: Callable[[], None] | None = None
         self._unit_ends = {s: _unit_ends(self.grads[s], self.expert_grads[s]) for s in stages}
         self._reducing = self.reducer.comm.size > 1 or self.expert_reducer.comm.size > 1
         self.has_moe = any(is_expert_param(k[1]) for v in self._views.values() for k in v)
@@ -203,6 +207,8 @@ class PipelineRank:
                 reducer.progress()
             if expert_reducer.busy:
                 expert_reducer.progress()
+            if self.background is not None:
+                self.background()
             t0, t1 = now(), 0
             try:
                 if b_half is not None:  # ran with its F half, one position earlier
