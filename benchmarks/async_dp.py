@@ -11,7 +11,8 @@ every wait included (synchronous: the gradient allreduce inside each step, metri
 local steps: the waits for the averaging, metrics wall_time), over the steps before the last
 round (at the last step every replica waits for the others to end with one model, a cost of
 stopping, not of running). Its ratio to the same configuration without a straggler is taken
-within each repetition; medians of interleaved repetitions. Writes async_dp.json and .png.
+within each repetition; medians of interleaved repetitions. The loss is the mean over the last
+4 steps (what the skipped steps of a straggler cost). Writes async_dp.json and .png.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def main() -> None:
             Column("straggler_steps", "its steps/round", ".2f", 15),
             Column("tok_s", "fast tok/s", ".0f", 10),
             Column("ratio", "vs no straggler", ".3f", 15),
+            Column("loss", "loss (last 4)", ".4f", 13),
         ],
         params=vars(args),
     )
@@ -123,6 +125,7 @@ def main() -> None:
                 "round_end": c[3],
                 "straggler": s,
                 "straggler_steps": float(np.median([r["straggler_steps"] for r in rs])),
+                "loss": float(np.median([np.mean(r["loss"][-4:]) for r in rs])),
                 "tok_s": float(np.median([r["tok_s"] for r in rs])),
                 "ratio": float(
                     np.median([r["tok_s"] / b["tok_s"] for r, b in zip(rs, base, strict=True)])

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -184,3 +185,26 @@ def parallel_h5py():
         if os.environ.get("HPCPIPE_REQUIRE_PARALLEL_H5PY"):
             pytest.fail(f"this lane requires parallel HDF5: {why}")
         pytest.skip(why)
+
+
+def read_params(run: Path) -> dict[str, Any]:
+    """Every array of a run's params.h5 (`train.save_params`), by its path in the file."""
+    import h5py
+
+    out: dict[str, Any] = {}
+
+    def take(name: str, item: Any) -> None:
+        if isinstance(item, h5py.Dataset):
+            out[name] = item[()]
+
+    with h5py.File(run / "params.h5") as f:
+        f.visititems(take)
+    return out
+
+
+def read_losses(run: Path) -> Any:
+    """The per-step (or per-update) losses of a run's metrics.h5."""
+    import h5py
+
+    with h5py.File(run / "metrics.h5") as f:
+        return f["loss"][()]

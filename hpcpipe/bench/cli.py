@@ -121,36 +121,41 @@ def _pipeline(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stub stages that sleep for the deck's [pipeline] costs instead of computing",
     )
-    p.add_argument(
-        "--unit-ms",
-        type=float,
-        default=20.0,
-        help="--synthetic: milliseconds per cost unit of [pipeline] t_f/t_b/t_w (default 20: "
-        "long against the ~0.1-0.3 ms a sleep overshoots on a busy node)",
-    )
-    p.add_argument(
-        "--act-bytes",
-        type=parse_bytes,
-        default=parse_bytes("4Ki"),
-        help="--synthetic: bytes of each activation message (default 4Ki)",
-    )
-    p.add_argument(
-        "--poll-us",
-        type=float,
-        default=20.0,
-        help="--synthetic: sleep between two tests of a message when polling (default 20)",
-    )
+    _sleeping_stages(p, "--synthetic: ")
     p.add_argument(
         "--overlap-pairs",
         action="store_true",
         help="--synthetic: also run dualpipe-v as overlapped F&B pairs (row 'dualpipe-v F&B'); "
         "give the deck's [pipeline] t_alltoall a share so there is communication to hide",
     )
+
+
+def _sleeping_stages(p: argparse.ArgumentParser, when: str = "") -> None:
+    """The options of stages that sleep for their modelled costs (hpcpipe.bench.synthetic)."""
+    p.add_argument(
+        "--unit-ms",
+        type=float,
+        default=20.0,
+        help=f"{when}milliseconds per cost unit of [pipeline] t_f/t_b/t_w (default 20: "
+        "long against the ~0.1-0.3 ms a sleep overshoots on a busy node)",
+    )
+    p.add_argument(
+        "--act-bytes",
+        type=parse_bytes,
+        default=parse_bytes("4Ki"),
+        help=f"{when}bytes of each activation message (default 4Ki)",
+    )
+    p.add_argument(
+        "--poll-us",
+        type=float,
+        default=20.0,
+        help=f"{when}sleep between two tests of a message when polling (default 20)",
+    )
     p.add_argument(
         "--wait",
         choices=("auto", "mpi", "poll"),
         default="auto",
-        help="--synthetic: wait for messages in MPI Wait, or poll with sleeps (auto: poll "
+        help=f"{when}wait for messages in MPI Wait, or poll with sleeps (auto: poll "
         "when a node holds more ranks than cores)",
     )
 
@@ -176,24 +181,7 @@ def _stream(p: argparse.ArgumentParser) -> None:
         default=8,
         help="global batches in the stream (default 8: fill and drain outside its middle half)",
     )
-    p.add_argument(
-        "--unit-ms", type=float, default=20.0, help="milliseconds per cost unit (default 20)"
-    )
-    p.add_argument(
-        "--act-bytes",
-        type=parse_bytes,
-        default=parse_bytes("4Ki"),
-        help="bytes of each activation message (default 4Ki)",
-    )
-    p.add_argument(
-        "--poll-us", type=float, default=20.0, help="sleep between two tests when polling"
-    )
-    p.add_argument(
-        "--wait",
-        choices=("auto", "mpi", "poll"),
-        default="auto",
-        help="wait in MPI Wait, or poll with sleeps (auto: poll when ranks outnumber cores)",
-    )
+    _sleeping_stages(p)
 
 
 @benchmark(

@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import read_losses, read_params
 
 pytestmark = pytest.mark.mpi
 
@@ -113,23 +114,6 @@ def test_a_rank_failing_inside_the_stream_ends_the_job(mpirun, tmp_path):
 # for bit; the reference trains the whole run's weight-version table (the streams' tables).
 
 
-def _params(run: Path) -> dict[str, np.ndarray]:
-    out = {}
-
-    def take(name: str, item) -> None:
-        if isinstance(item, h5py.Dataset):
-            out[name] = item[()]
-
-    with h5py.File(run / "params.h5") as f:
-        f.visititems(take)
-    return out
-
-
-def _losses(run: Path) -> np.ndarray:
-    with h5py.File(run / "metrics.h5") as f:
-        return f["loss"][()]
-
-
 FLUSHED = ["--set", "async.flush_every=2", "--set", "train.save_params=true"]
 
 
@@ -151,7 +135,7 @@ def test_flushes_change_the_trajectory_where_they_drain(flushed_full, mpirun, tm
     versions (and so the losses) differ."""
     r = stream(mpirun, tmp_path, "1f1b", "stash", 2)
     assert r.returncode == 0, r.output
-    ours, one = _losses(flushed_full), _losses(tmp_path)
+    ours, one = read_losses(flushed_full), read_losses(tmp_path)
     assert ours.shape == one.shape == (40,)
     assert np.array_equal(ours[:16], one[:16])
     assert not np.allclose(ours[16:], one[16:], rtol=1e-9)
@@ -164,10 +148,10 @@ def test_stream_resume_from_a_flush_is_bitwise_equal(flushed_full, mpirun, tmp_p
     )  # fmt: skip
     assert r.returncode == 0, r.output
     assert "at step 2" in r.stdout and "verify OK" in r.stdout, r.output
-    a, b = _params(flushed_full), _params(tmp_path)
+    a, b = read_params(flushed_full), read_params(tmp_path)
     assert a.keys() == b.keys() and len(a) > 10
     assert all(np.array_equal(a[n], b[n]) for n in a)
-    assert np.array_equal(_losses(flushed_full), _losses(tmp_path))
+    assert np.array_equal(read_losses(flushed_full), read_losses(tmp_path))
 
 
 def test_stream_stop_signal_checkpoints_at_the_next_flush(flushed_full, mpirun, tmp_path):
@@ -183,9 +167,9 @@ def test_stream_stop_signal_checkpoints_at_the_next_flush(flushed_full, mpirun, 
     assert status["state"] == "preempted" and status["step"] == 4
     r = stream(mpirun, tmp_path, "1f1b", "stash", 2, *FLUSHED, "--resume")
     assert r.returncode == 0 and "verify OK" in r.stdout, r.output
-    a, b = _params(flushed_full), _params(tmp_path)
+    a, b = read_params(flushed_full), read_params(tmp_path)
     assert all(np.array_equal(a[n], b[n]) for n in a)
-    assert np.array_equal(_losses(flushed_full), _losses(tmp_path))
+    assert np.array_equal(read_losses(flushed_full), read_losses(tmp_path))
 
 
 def test_stream_resume_past_the_end_and_on_another_layout(flushed_full, mpirun, tmp_path):
@@ -196,7 +180,7 @@ def test_stream_resume_past_the_end_and_on_another_layout(flushed_full, mpirun, 
     r = stream(mpirun, tmp_path / "same", "1f1b", "stash", 2, *FLUSHED, *more)
     assert r.returncode == 0, r.output
     assert "at step 5" in r.stdout and "verify OK" in r.stdout, r.output
-    assert _losses(tmp_path / "same").shape == (56,)
+    assert read_losses(tmp_path / "same").shape == (56,)
     r = stream(mpirun, tmp_path / "other", "1f1b", "stash", 4, *FLUSHED, *more)
     assert r.returncode == 0, r.output
     assert "verify skipped: the streams before global batch 5 ran another pipeline" in r.stdout

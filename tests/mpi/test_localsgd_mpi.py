@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import read_losses, read_params
 
 pytestmark = pytest.mark.mpi
 
@@ -133,23 +134,6 @@ def test_non_finite_gradients_in_one_replica_end_the_job_naming_the_step(mpirun,
 # with delay 1 the averaging round in flight; a resume continues bit for bit.
 
 
-def _params(run: Path) -> dict[str, np.ndarray]:
-    out = {}
-
-    def take(name: str, item) -> None:
-        if isinstance(item, h5py.Dataset):
-            out[name] = item[()]
-
-    with h5py.File(run / "params.h5") as f:
-        f.visititems(take)
-    return out
-
-
-def _losses(run: Path) -> np.ndarray:
-    with h5py.File(run / "metrics.h5") as f:
-        return f["loss"][()]
-
-
 def _sets(**kv) -> list[str]:
     return [x for k, v in kv.items() for x in ("--set", f"{k.replace('__', '.')}={v}")]
 
@@ -197,10 +181,10 @@ def test_local_resume_with_a_round_in_flight_is_bitwise_equal(mpirun, tmp_path, 
     )
     assert r.returncode == 0, r.output
     assert "at step 4" in r.stdout and "verify OK" in r.stdout, r.output
-    a, b = _params(local_full), _params(tmp_path)
+    a, b = read_params(local_full), read_params(tmp_path)
     assert a.keys() == b.keys() and len(a) > 10
     assert all(np.array_equal(a[n], b[n]) for n in a), [n for n in a if not (a[n] == b[n]).all()]
-    assert np.array_equal(_losses(local_full), _losses(tmp_path))
+    assert np.array_equal(read_losses(local_full), read_losses(tmp_path))
 
 
 def test_local_stop_signal_checkpoints_at_a_round_end_and_resumes_bitwise(
@@ -225,9 +209,9 @@ def test_local_stop_signal_checkpoints_at_a_round_end_and_resumes_bitwise(
     )
     assert r.returncode == 0, r.output
     assert "at step 6" in r.stdout and "verify OK" in r.stdout, r.output
-    a, b = _params(local_full), _params(tmp_path)
+    a, b = read_params(local_full), read_params(tmp_path)
     assert all(np.array_equal(a[n], b[n]) for n in a)
-    assert np.array_equal(_losses(local_full), _losses(tmp_path))
+    assert np.array_equal(read_losses(local_full), read_losses(tmp_path))
 
 
 @pytest.mark.parametrize("delay", [0, 1])
@@ -256,7 +240,7 @@ def test_local_resume_past_the_end_on_another_pipeline_layout(mpirun, tmp_path, 
     )
     assert r.returncode == 0, r.output
     assert "at step 4" in r.stdout and "verify OK" in r.stdout, r.output
-    assert len(_losses(tmp_path / "more")) == 7
+    assert len(read_losses(tmp_path / "more")) == 7
 
 
 def test_local_resume_with_other_replicas_is_bad_input(mpirun, tmp_path, local_full):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
+from conftest import read_losses, read_params
 
 pytestmark = pytest.mark.mpi
 
@@ -18,20 +18,6 @@ MOE_DECK = str(INPUTS / "moe_tiny.toml")
 
 def sets(*items: str) -> list[str]:
     return [a for s in items for a in ("--set", s)]
-
-
-def params(run: Path) -> dict[str, np.ndarray]:
-    out = {}
-    with h5py.File(run / "params.h5") as f:
-        f.visititems(
-            lambda n, d: out.__setitem__(n, d[()]) if isinstance(d, h5py.Dataset) else None
-        )
-    return out
-
-
-def losses(run: Path) -> np.ndarray:
-    with h5py.File(run / "metrics.h5") as f:
-        return f["loss"][()]
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +56,11 @@ def test_resume_is_bitwise_equal(mpirun, tmp_path, full_run):
     )
     assert r.returncode == 0, r.output
     assert "resumed from" in r.stdout and "at step 4" in r.stdout
-    a, b = params(full_run), params(tmp_path)
+    a, b = read_params(full_run), read_params(tmp_path)
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
         assert np.array_equal(a[name], b[name]), name
-    assert np.array_equal(losses(full_run), losses(tmp_path))
+    assert np.array_equal(read_losses(full_run), read_losses(tmp_path))
 
 
 def test_resume_of_a_finished_run_says_there_is_nothing_to_do(mpirun, tmp_path, full_run):
@@ -160,7 +146,7 @@ def test_time_limit_signal_checkpoints_and_exits_zero(mpirun, tmp_path, full_run
     )
     assert r.returncode == 0, r.output
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"
-    a, b = params(full_run), params(tmp_path)
+    a, b = read_params(full_run), read_params(tmp_path)
     assert all(np.array_equal(a[n], b[n]) for n in a)
 
 
