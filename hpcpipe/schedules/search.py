@@ -49,6 +49,7 @@ __all__ = [
     "fixed_points",
     "min_budget",
     "pareto_front",
+    "placement_of",
     "search",
 ]
 
@@ -195,14 +196,20 @@ def min_budget(p: int, costs_for: CostsFor) -> float:
     return min(Problem.build(p, 1, costs_for, v).floor for v in (False, True))
 
 
-def fixed_points(p: int, m: int, costs_for: CostsFor) -> list[Found | tuple[str, str]]:
-    """Every fixed schedule simulated under the costs, or (name, why it cannot be built)."""
+def fixed_points(
+    p: int, m: int, costs_for: CostsFor, placements: Sequence[bool] = (True, False)
+) -> list[Found | tuple[str, str]]:
+    """Every fixed schedule simulated under the costs, or (name, why it cannot be built);
+    with one of the two `placements` only, the schedules laid out that way."""
     out: list[Found | tuple[str, str]] = []
+    shapes = _shapes(p, placements)
     for name in SCHEDULE_NAMES:
         try:
             sched = build_schedule(name, p, m)
         except ValueError as exc:
             out.append((name, str(exc)))
+            continue
+        if shapes is not None and tuple(map(tuple, sched.stages_of_rank)) not in shapes:
             continue
         result = simulate(sched, costs_for(sched.num_stages))
         out.append(Found(sched, result.makespan, float(result.peak_memory.max()), f"fixed: {name}"))
@@ -243,14 +250,17 @@ def search(
     budget: float | None = None,
     *,
     fixed: Sequence[Found | tuple[str, str]] | None = None,
+    placements: Sequence[bool] = (True, False),
 ) -> Found:
     """The fastest schedule found whose simulated peak memory fits `budget` on every rank.
 
     `budget` is in the units of the cost model's `activation` (None: no limit). Raises
     `BudgetError` (with the least budget that fits) when nothing fits. `fixed` passes
-    precomputed `fixed_points` (the Pareto sweep reuses them).
+    precomputed `fixed_points` (the Pareto sweep reuses them). `placements`: the stage
+    placements searched (True: the V shape, False: one stage per rank); fixed schedules of
+    another placement are left out (a running pipeline keeps its layers where they are).
     """
-    floor = min_budget(p, costs_for)
+    floor = min(Problem.build(p, 1, costs_for, v).floor for v in placements)
     cap = _INF if budget is None else float(budget)
     if not _fits(floor, cap):
         raise BudgetError(cap, floor)
@@ -260,7 +270,7 @@ def search(
         pool.append((found.makespan, found.peak, len(pool), found))
 
     keep, max_evals, every = _effort(p, m)
-    for v_shape in (True, False):
+    for v_shape in placements:
         prob = Problem.build(p, m, costs_for, v_shape)
         cands = sorted(_sweep(prob, cap, every), key=lambda c: c.makespan)
         if not every:  # the budget goes to the best candidate's descent
@@ -271,8 +281,13 @@ def search(
             sched = run_to_schedule(prob, cand.run, (("how", how),))
             result = simulate(sched, prob.costs)
             add(Found(sched, result.makespan, float(result.peak_memory.max()), how))
-    for item in fixed if fixed is not None else fixed_points(p, m, costs_for):
-        if isinstance(item, Found) and _fits(item.peak, cap):
+    shapes = _shapes(p, placements)
+
+    def placed(found: Found) -> bool:
+        return shapes is None or tuple(map(tuple, found.schedule.stages_of_rank)) in shapes
+
+    for item in fixed if fixed is not None else fixed_points(p, m, costs_for, placements):
+        if isinstance(item, Found) and _fits(item.peak, cap) and placed(item):
             add(item)
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
     budget_evals = _refine_evals(p, m)
@@ -296,6 +311,30 @@ def search(
         params = (("p", p), ("m", m), ("memory_budget", budget), ("how", found.how))
         return replace(found, schedule=_renamed(found.schedule, params))
     raise BudgetError(cap, floor)  # pragma: no cover - depth-1 greedy always fits the floor
+
+
+def _shapes(p: int, placements: Sequence[bool]) -> set[tuple[tuple[int, ...], ...]] | None:
+    """The stage layouts of `placements`; None for both (every fixed schedule, interleaved
+    ones included, is a candidate then)."""
+    if set(placements) == {True, False}:
+        return None
+    return {_placement(p, v) for v in placements}
+
+
+def _placement(p: int, v_shape: bool) -> tuple[tuple[int, ...], ...]:
+    """The stages each rank holds under a placement (as `Problem.build` lays them out)."""
+    return tuple((r, 2 * p - 1 - r) if v_shape else (r,) for r in range(p))
+
+
+def placement_of(schedule: Schedule) -> bool | None:
+    """True (V shape) or False (one stage per rank) when the search can build `schedule`'s
+    placement, None otherwise (interleaved round-robin stages)."""
+    p = schedule.num_ranks
+    rows = tuple(map(tuple, schedule.stages_of_rank))
+    for v in (True, False):
+        if rows == _placement(p, v):
+            return v
+    return None
 
 
 def _renamed(sched: Schedule, params: Iterable[tuple[str, object]]) -> Schedule:

@@ -18,7 +18,7 @@ import itertools
 import statistics
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,10 +38,13 @@ __all__ = [
     "cost_model",
     "estimate_speeds",
     "initial_scale",
+    "schedule_label",
     "unit_groups",
 ]
 
 COMPUTE_KINDS = ("F", "B", "W", "BW")
+_UNIT_KINDS = {"F": ("F",), "B": ("B",), "W": ("W",), "BW": ("B", "W")}
+"""The units' own timers inside each kind of compute action (a fused BW runs both)."""
 
 Costs = Mapping[tuple[str, int], float]
 """Seconds per action, keyed by (action kind name, stage)."""
@@ -69,6 +72,13 @@ class ReplanConfig:
     )
     cooldown: int = option(
         1, "checks after a switch during which no other switch happens", minimum=0
+    )
+    search: bool = option(
+        False,
+        "also re-search the schedule for the measured stage costs when re-planning (the "
+        "schedule search of `pipeline.schedule = 'auto'`, on the pipeline's own stage "
+        "placement, holding no more microbatches' activations than the current schedule); "
+        "a few seconds on rank 0 each time the proposed partition changes",
     )
     speeds: tuple[float, ...] = option(
         (),
@@ -121,7 +131,8 @@ class Measured:
 
 @dataclass(frozen=True)
 class Proposal:
-    """A partition balanced for the estimated rank speeds, with both predicted steps."""
+    """A partition balanced for the estimated rank speeds (and with `[replan] search` a
+    schedule searched for the costs it leaves), with both predicted steps."""
 
     ranges: tuple[range, ...]
     current: tuple[range, ...]
@@ -129,6 +140,10 @@ class Proposal:
     """Per pipeline rank: time for the same layer, relative to the fastest rank."""
     predicted_now: float
     predicted_new: float
+    schedule: Schedule | None = None
+    """The schedule to switch to (None: keep the current one)."""
+    current_name: str = ""
+    current_microbatches: int = 0
 
     @property
     def gain(self) -> float:
@@ -139,18 +154,30 @@ class Proposal:
 
     @property
     def changes(self) -> bool:
-        return self.ranges != self.current
+        return self.ranges != self.current or self.schedule is not None
 
     def describe(self) -> str:
         def sizes(ranges: Sequence[range]) -> list[int]:
             return [len(r) for r in ranges]
 
+        switch = ""
+        if self.schedule is not None:
+            switch = f", schedule {self.current_name} -> {schedule_label(self.schedule)}"
+            m = self.schedule.num_microbatches
+            if m != self.current_microbatches:
+                switch += f", microbatches {self.current_microbatches} -> {m}"
         return (
             f"relative slowness per pipeline rank [{', '.join(f'{x:.2f}' for x in self.slowness)}]"
             f", predicted step {self.predicted_now * 1e3:.2f} ms -> "
             f"{self.predicted_new * 1e3:.2f} ms (gain {self.gain * 100:.1f}%), stage_units "
-            f"{sizes(self.current)} -> {sizes(self.ranges)}"
+            f"{sizes(self.current)} -> {sizes(self.ranges)}{switch}"
         )
+
+
+def schedule_label(schedule: Schedule) -> str:
+    """A schedule's name, and for a searched one how the search built it."""
+    how = schedule.param("how")
+    return f"{schedule.name} ({how})" if how else schedule.name
 
 
 def _median(values: Sequence[float]) -> float:
@@ -211,8 +238,13 @@ class Replanner:
     """Seconds per step of one unit of each group on a rank of slowness 1 (F + B + W)."""
     checks_since_switch: int | None = None
     """None before the first switch (no cooldown yet)."""
-    _descent_key: tuple[tuple[range, ...], tuple[range, ...]] | None = None
+    _descent_key: tuple[Any, ...] | None = None
     _descent: tuple[range, ...] = ()
+    rows: int = 0
+    """Rows of a replica's batch, which the microbatches split; 0: the count stays (MoE
+    routing is defined per microbatch, so its decks keep theirs)."""
+    _search_key: tuple[Any, ...] | None = None
+    _searched: Any = None  # the search's answer for `_search_key` (a Found, or None)
 
     def propose(self, current: Sequence[range], measured: Measured) -> Proposal:
         """Estimate rank speeds and unit costs from `measured`, balance the partition for
@@ -237,37 +269,105 @@ class Replanner:
         ranges = tuple(balance_placement(cost, n, schedule.stages_of_rank, slowness))
         # each action keeps its measured time outside its units (messages, dispatch); the
         # time inside them scales with the modelled work of the stage's units on its rank
+        # (per kind: an F and a fused BW of one stage spend different shares inside their
+        # units, which matters once a schedule with other kinds of actions is predicted)
         counts = Counter((a.kind.name, a.stage) for row in schedule.actions for a in row)
-        spent = np.zeros(n)
+        share: dict[tuple[str, int], float] = {}
         for (kind, s), sec in measured.stage_seconds.items():
-            spent[s] += sec * counts[(kind, s)]
-        inside = np.zeros(n)
-        for s, rg in enumerate(current):
-            inside[s] = sum(totals.get(i, 0.0) for i in rg)
-        share = np.clip(inside / np.maximum(spent, 1e-300), 0.0, 1.0)
+            if counts[(kind, s)] and kind in _UNIT_KINDS:
+                inside = sum(
+                    measured.unit_seconds.get((k, i), 0.0)
+                    for k in _UNIT_KINDS[kind]
+                    for i in current[s]
+                )
+                share[(kind, s)] = min(max(inside / counts[(kind, s)] / max(sec, 1e-300), 0.0), 1.0)
 
         def work(rg: Sequence[range]) -> np.ndarray:
             return np.array([slowness[owner[s]] * cost[list(r)].sum() for s, r in enumerate(rg)])
 
         now = work(current)
 
+        def modelled_costs(rg: Sequence[range], rows: float = 1.0) -> CostModel:
+            """Per-stage costs under partition `rg`, microbatches of `rows` times the
+            current rows: the time inside the units scales with both, the rest stays."""
+            ratio = work(rg) / np.maximum(now, 1e-300) * rows
+            modelled = {
+                key: sec * (1.0 - share.get(key, 0.0) + share.get(key, 0.0) * ratio[key[1]])
+                for key, sec in measured.stage_seconds.items()
+            }
+            return cost_model(modelled, n)
+
         def predict(rg: Sequence[range]) -> float:
-            factor = 1.0 - share + share * work(rg) / np.maximum(now, 1e-300)
-            modelled = {key: sec * factor[key[1]] for key, sec in measured.stage_seconds.items()}
-            return simulate(schedule, cost_model(modelled, n)).makespan
+            return simulate(schedule, modelled_costs(rg)).makespan
 
         before = predict(current)
         # the descent costs a few simulations per stage boundary: it runs again only when the
         # balanced or the current partition changes (every check otherwise costs what it did
         # before it: one or two simulations), so a quiet run pays for it once
-        key = (tuple(current), tuple(ranges))
+        key = (tuple(current), tuple(ranges), schedule.fingerprint())
         if key != self._descent_key:
             self._descent_key, self._descent = key, _descend(ranges, predict)[0]
         ranges = self._descent
         after = predict(ranges) if ranges != tuple(current) else before
         if after >= before:  # nothing predicted faster than staying
             ranges, after = tuple(current), before
-        return Proposal(ranges, tuple(current), tuple(float(x) for x in slowness), before, after)
+        found = None
+        if self.config.search:
+            found = self._search(key, ranges, modelled_costs)
+        if found is not None and found.makespan < after * (1.0 - 1e-9):
+            after = found.makespan
+        else:
+            found = None
+        return Proposal(
+            ranges,
+            tuple(current),
+            tuple(float(x) for x in slowness),
+            before,
+            after,
+            found.schedule if found is not None else None,
+            schedule_label(schedule),
+            schedule.num_microbatches,
+        )
+
+    def _search(
+        self,
+        key: tuple[Any, ...],
+        ranges: tuple[range, ...],
+        costs_of: Callable[[tuple[range, ...], float], CostModel],
+    ) -> Any:
+        """The fastest schedule the search finds for the stage costs `ranges` would have, on
+        this schedule's placement, holding no more activations than it does now (in bytes:
+        a microbatch of other rows holds them in proportion), for the current microbatch
+        count and, with `rows`, every count in [p, 4p] that divides them (None where the
+        search does not build this placement). Run again only when the partitions or the
+        schedule change."""
+        from hpcpipe.schedules.search import BudgetError, placement_of, search
+
+        schedule = self.schedule
+        where = (*key, ranges)
+        if where == self._search_key:
+            return self._searched
+        v_shape = placement_of(schedule)
+        p, m = schedule.num_ranks, schedule.num_microbatches
+        chunks = len(schedule.stages_of_rank[0])
+        best = None
+        if v_shape is not None:
+            now = replace(costs_of(ranges, 1.0), activation=1.0 / chunks)
+            budget = float(simulate(schedule, now).peak_memory.max())
+            counts = [m] + [
+                k for k in range(p, 4 * p + 1) if self.rows and k != m and self.rows % k == 0
+            ]
+            for count in counts:
+                rows = m / count  # each microbatch's rows, relative to now
+                costs = replace(costs_of(ranges, rows), activation=rows / chunks)
+                try:
+                    found = search(p, count, lambda n, c=costs: c, budget, placements=(v_shape,))
+                except BudgetError:  # fewer, larger microbatches may not fit
+                    continue
+                if best is None or found.makespan < best.makespan * (1.0 - 1e-9):
+                    best = found
+        self._search_key, self._searched = where, best
+        return best
 
     def decide(self, proposal: Proposal) -> bool:
         """Whether to switch to `proposal` now (and remember it when so)."""

@@ -40,6 +40,7 @@ from hpcpipe.train.replan import (
     Replanner,
     action_costs,
     cost_model,
+    schedule_label,
     unit_groups,
 )
 from hpcpipe.train.trees import leaves, tree_map
@@ -137,7 +138,14 @@ class Trainer:
         self.action_log: deque[dict[tuple[str, int], float]] = deque(maxlen=TIMED_STEPS)
         self.pipe_times: deque[float] = deque(maxlen=TIMED_STEPS)
         self.replanner = (
-            Replanner(cfg.replan, self.schedule, unit_groups(units)) if cfg.replan.enabled else None
+            Replanner(
+                cfg.replan,
+                self.schedule,
+                unit_groups(units),
+                rows=0 if cfg.moe.enabled else cfg.data.global_batch // ctx.rankmap.dp,
+            )
+            if cfg.replan.enabled
+            else None
         )
         self.replans: list[dict[str, Any]] = []  # every switch, for the log and metrics.h5
         # since the last check: per step, the actions' and the units' seconds
@@ -351,13 +359,14 @@ class Trainer:
                         proposal.gain,
                         proposal.predicted_now,
                         proposal.predicted_new,
+                        proposal.schedule,  # a searched schedule to switch to, or None
                     )
                 elif ctx.verbose:  # why it stays, for whoever tunes [replan]
                     ctx.log(f"replan check after step {done}: kept; {proposal.describe()}")
         decision = world.bcast(decision, root=0)
         if decision is not None:
-            bounds, text, gain, before, after = decision
-            self._repartition([range(a, b) for a, b in bounds], gain)
+            bounds, text, gain, before, after, schedule = decision
+            self._repartition([range(a, b) for a, b in bounds], gain, schedule)
             self.replans.append(
                 {
                     "step": done,
@@ -365,17 +374,35 @@ class Trainer:
                     "predicted_before_s": before,
                     "predicted_after_s": after,
                     "stage_units": [b - a for a, b in bounds],
+                    "schedule": schedule_label(self.schedule).encode(),
                 }
             )
             ctx.log(f"replan after step {done}: {text}")
 
-    def _repartition(self, ranges: list[range], gain: float) -> None:
+    def _switch_schedule(self, schedule: Schedule) -> None:
+        """Run `schedule` from the next step (the same stages on the same ranks: the order of
+        the actions changes, and maybe the microbatch count), validated and lowered like the
+        deck's own."""
+        from hpcpipe.schedules.validate import validate
+
+        self.schedule, self.lowered = schedule, validate(schedule)
+        assert self.replanner is not None
+        self.replanner.schedule = schedule
+        if schedule.num_microbatches != self.m:  # the same rows, split another way
+            self.m = schedule.num_microbatches
+            self.rows_mb = _check_batch(self.ctx, self.m)
+
+    def _repartition(
+        self, ranges: list[range], gain: float, schedule: Schedule | None = None
+    ) -> None:
         """Collective over each pipeline: move the units whose stage changes rank, with their
         parameters and optimizer slots, over MPI (no restart, no file system), then rebuild
         this rank's stages and interpreter. dp replicas move the same units alike. The
         trace records the move as a REPLAN event (bytes sent, value = the predicted gain)."""
         ctx, backend = self.ctx, self.ctx.backend
         t0 = self.rec.now()
+        if schedule is not None:
+            self._switch_schedule(schedule)
         fingerprint = f"{self.lowered.fingerprint()}:{[(r.start, r.stop) for r in ranges]}"
         if len(set(ctx.comms.world.allgather(fingerprint))) != 1:
             raise RuntimeError(

@@ -64,6 +64,27 @@ def test_1f1b_moves_layers_off_the_slow_rank(mpirun, tmp_path, slow):
     assert set(moved["rank"].tolist()) == {0, 1} and moved["bytes"].sum() > 0
 
 
+def test_replan_search_switches_the_schedule_with_the_layers(mpirun, tmp_path):
+    """With [replan] search, the switch also re-searches the schedule for the new stage costs
+    (1F1B's bubble behind a slow rank is what a W-deferring order fills): the ranks run the
+    searched schedule from the next step, still equal to the reference, and the trace of the
+    run after the switch is the new schedule's."""
+    fault = "rank=1,at=step:2,kind=slow,factor=4"
+    r, switches = _run(mpirun, tmp_path, 2, TINY, fault, "topology.pp=2", "replan.search=true")
+    assert switches, r.stdout
+    line = next(x for x in r.stdout.splitlines() if x.startswith("replan after step"))
+    assert ", schedule 1f1b -> auto (" in line, line
+    with h5py.File(tmp_path / "metrics.h5") as f:
+        assert f["replan/schedule"][0].decode().startswith("auto (")
+    from hpcpipe.io.trace import read_trace
+    from hpcpipe.schedules.ir import Kind
+
+    trace = read_trace(tmp_path / "trace.h5")
+    last = trace.table[trace.table["step"] == 16]
+    kinds = {int(k) for k in last["kind"]}
+    assert int(Kind.W) in kinds and int(Kind.BW) not in kinds  # B and W split: not 1F1B
+
+
 def test_zbv_on_pp2_dp2_moves_the_same_layers_in_every_replica(mpirun, tmp_path):
     # order dp,ep,pp: world ranks 0 and 1 are pipeline rank 0 of replicas 0 and 1
     r, switches = _run(
@@ -171,3 +192,27 @@ def test_a_rank_lost_during_the_move_ends_the_job_and_its_checkpoint_resumes(mpi
     r = mpirun(2, [args[0], args[1], "--resume", *args[3:]], timeout=120)
     assert r.returncode == 0, r.output
     assert "verify OK" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(
+    ("schedule", "m"), [("zb-h1", 4), ("1f1b", 2)], ids=["zb-h1-m4", "1f1b-m2"]
+)
+def test_a_switch_of_schedule_and_microbatch_count_mid_run_matches_reference(tmp_path, schedule, m):
+    """What a re-plan with [replan] search may decide, forced at step 3 of 6 (the decision
+    depends on measured times; the switch must not): 1F1B over 4 microbatches becomes ZB-H1
+    over 4, or 1F1B over 2 (the same rows split another way); the run equals the reference."""
+    import subprocess
+    import sys
+
+    from conftest import clean_environ, mpiexec_command
+
+    driver = Path(__file__).with_name("replan_driver.py")
+    cmd = [*mpiexec_command(), "-n", "2", sys.executable, str(driver), TINY, str(tmp_path)]
+    cmd += [schedule, str(m), "topology.pp=2", "pipeline.microbatches=4"]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, env=clean_environ(), check=False
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert f"switched: 4 -> {m} microbatches, schedule {schedule}" in r.stdout, out
+    assert "verify OK" in r.stdout, out

@@ -144,6 +144,68 @@ def test_checks_search_again_only_when_a_partition_changes(monkeypatch):
     assert len(calls) == 3
 
 
+def test_replan_search_finds_a_schedule_for_the_new_stage_costs():
+    """With `search`, the proposal also re-searches the schedule for the costs the new
+    partition leaves, on the same placement and within the current activation peak: its
+    predicted step is the simulator's for that schedule, faster than 1F1B's bubble allows,
+    and the search runs again only when the partitions change."""
+    import hpcpipe.schedules.search as searching
+    from hpcpipe.schedules.simulate import CostModel, simulate
+    from hpcpipe.train.replan import cost_model
+
+    schedule = build_schedule("1f1b", 2, 4)
+    current = (range(0, 4), range(4, 8))
+    slowness = [1.0, 2.0]
+    plain = Replanner(ReplanConfig(enabled=True), schedule, GROUPS)
+    planner = Replanner(ReplanConfig(enabled=True, search=True), schedule, GROUPS)
+    base = plain.propose(current, _measured(schedule, current, slowness))
+    ours = planner.propose(current, _measured(schedule, current, slowness))
+    assert ours.ranges == base.ranges and ours.predicted_now == base.predicted_now
+    assert ours.schedule is not None and ours.changes
+    assert ours.predicted_new < base.predicted_new * 0.99
+    assert "schedule 1f1b -> " in ours.describe()
+    new = ours.schedule
+    assert new.stages_of_rank == schedule.stages_of_rank  # nothing moves but layers
+    truth = _measured(schedule, ours.ranges, slowness).stage_seconds
+    costs = cost_model(truth, 2)
+    assert simulate(new, costs).makespan == pytest.approx(ours.predicted_new, rel=1e-9)
+    peak = simulate(schedule, CostModel(activation=1.0)).peak_memory.max()
+    assert simulate(new, CostModel(activation=1.0)).peak_memory.max() <= peak + 1e-9
+    calls = []
+    real = searching.search
+    searching.search = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        planner.propose(current, _measured(schedule, current, slowness))
+    finally:
+        searching.search = real
+    assert calls == []  # the same partitions: the last search's answer
+    # once switched, the next check measures the new plan and proposes nothing: no flapping
+    after = Replanner(ReplanConfig(enabled=True, search=True), new, GROUPS)
+    again = after.propose(ours.ranges, _measured(new, ours.ranges, slowness))
+    assert not again.changes
+
+
+def test_replan_search_may_split_the_batch_another_way():
+    """With the replica's rows known, microbatch counts in [p, 4p] dividing them are searched
+    too, each microbatch's costs and activations scaled by its rows (the time outside the
+    units, messages and dispatch, stays per action), within the activation bytes of now. Two
+    microbatches of 1F1B on 2 ranks leave a large bubble: four fill it better."""
+    from hpcpipe.schedules.simulate import CostModel, simulate
+
+    schedule = build_schedule("1f1b", 2, 2)
+    current = (range(0, 4), range(4, 8))
+    measured = _measured(schedule, current, [1.0, 1.0])
+    fixed = Replanner(ReplanConfig(enabled=True, search=True), schedule, GROUPS)
+    split = Replanner(ReplanConfig(enabled=True, search=True), schedule, GROUPS, rows=16)
+    same_m, other_m = fixed.propose(current, measured), split.propose(current, measured)
+    assert same_m.schedule.num_microbatches == 2  # rows unknown (MoE): the count stays
+    assert other_m.schedule.num_microbatches == 4
+    assert other_m.predicted_new < same_m.predicted_new < same_m.predicted_now
+    # activation bytes: 4 microbatches of half the rows hold no more than 2 whole ones did
+    held = simulate(other_m.schedule, CostModel(activation=0.5)).peak_memory.max()
+    assert held <= simulate(schedule, CostModel(activation=1.0)).peak_memory.max()
+
+
 def test_equal_ranks_keep_their_partition():
     schedule = build_schedule("zb-v", 2, 4)
     current = (range(0, 3), range(3, 4), range(4, 6), range(6, 8))
