@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.faults import maybe_fail
+from hpcpipe.faults import link_faults, maybe_fail
 from hpcpipe.io.trace import EventKind, Recorder, action_peers
 from hpcpipe.model.models import Params
 from hpcpipe.model.stage import Stage
@@ -83,14 +83,31 @@ class PipelineRank:
         self.n_stages = len(self.rank_of_stage)
         self.chunks_per_rank = len(schedule.stages_of_rank[rank])
         self.messages = plan_messages(schedule, rank, recv_lookahead)
-        self.mailbox = Mailbox(
-            pp_comm,
-            backend,
-            self.messages,
-            self.act_shape,
-            backend.dtype,
-            blocking=blocking_sends,
-        )
+        slow_links = link_faults(world_rank)
+        if slow_links:  # an injected slow link (tests and benchmarks): messages held back
+            from hpcpipe.mpi.slowlink import SlowLinkMailbox
+
+            self.mailbox = SlowLinkMailbox(
+                pp_comm,
+                backend,
+                self.messages,
+                self.act_shape,
+                backend.dtype,
+                blocking=blocking_sends,
+                specs=slow_links,
+                world_rank=world_rank,
+                world_of_peer=world_ranks(pp_comm),
+                step_of=lambda: self._step_no,
+            )
+        else:
+            self.mailbox = Mailbox(
+                pp_comm,
+                backend,
+                self.messages,
+                self.act_shape,
+                backend.dtype,
+                blocking=blocking_sends,
+            )
         self._releases = self.messages.releases() if self.mailbox.needs_release else {}
         self.reducer = BucketedAllreduce(dp_comm, backend, bucket_bytes)
         # Dense gradients are reduced over dp; expert gradients (sharded over ep) only over

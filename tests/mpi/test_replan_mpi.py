@@ -216,3 +216,17 @@ def test_a_switch_of_schedule_and_microbatch_count_mid_run_matches_reference(tmp
     assert r.returncode == 0, out
     assert f"switched: 4 -> {m} microbatches, schedule {schedule}" in r.stdout, out
     assert "verify OK" in r.stdout, out
+
+
+def test_a_slow_link_slows_the_step_and_moves_no_layers(mpirun, tmp_path):
+    """kind=slow with link=P holds every message between world ranks 0 and 1 for 20 ms from
+    step 5: the steps slow down by at least the held messages on the critical path, the
+    ranks' compute does not, so re-planning (which weighs compute) moves nothing, and the
+    run equals the reference."""
+    fault = "rank=0,link=1,at=step:5,kind=slow,delay_ms=20"
+    r, switches = _run(mpirun, tmp_path, 2, TINY, fault, "topology.pp=2", steps=12)
+    assert switches == [], r.stdout
+    with h5py.File(tmp_path / "metrics.h5") as f:
+        times = f["step_time"][()]
+    before, after = sorted(times[1:4])[1], sorted(times[5:])[len(times[5:]) // 2]
+    assert after > before + 4 * 0.020, times  # 4 microbatches: at least 4 held on the path

@@ -257,6 +257,32 @@ def test_slow_fault_stretches_a_rank_from_a_step(monkeypatch):
         slowdown(5, 1)
 
 
+def test_slow_link_fault_holds_one_links_messages_not_compute(monkeypatch):
+    import hpcpipe.faults as faults
+
+    monkeypatch.setattr(faults, "_SPEC", None)
+    monkeypatch.setenv(
+        "HPCPIPE_INJECT_FAULT",
+        "rank=1,link=2,at=step:5,kind=slow,delay_ms=20,until=9;rank=3,at=step:2,kind=slow",
+    )
+    specs = faults.link_faults(2)  # either end of the link
+    assert specs == faults.link_faults(1) and faults.link_faults(0) == []
+    assert [faults.link_delay(specs, step, 2, 1) for step in (4, 5, 8, 9)] == [
+        0.0,
+        0.02,
+        0.02,
+        0.0,
+    ]
+    assert faults.link_delay(specs, 5, 1, 2) == 0.02  # both ways
+    assert faults.link_delay(specs, 5, 1, 0) == 0.0  # another link
+    assert slowdown(5, 1) == 1.0 and slowdown(5, 2) == 1.0  # the compute is untouched
+    assert slowdown(5, 3) == 2.0  # a compute fault beside it still applies
+    monkeypatch.setattr(faults, "_SPEC", None)
+    monkeypatch.setenv("HPCPIPE_INJECT_FAULT", "rank=1,link=2,kind=slow,delay_ms=-1")
+    with pytest.raises(ValueError, match=r"delay_ms = -1\.0 must be >= 0"):
+        faults.link_delay(faults.link_faults(1), 3, 1, 2)
+
+
 def _check(overrides: list[str]) -> None:
     from hpcpipe.topology import RankMap
     from hpcpipe.train.checks import check
