@@ -111,9 +111,7 @@ def link_faults(rank: int) -> list[dict[str, str]]:
 def link_delay(specs: list[dict[str, str]], step: int, rank: int, peer: int) -> float:
     """Seconds a message between world ranks `rank` and `peer` is held at `step` (0: none)."""
     for spec in specs:
-        if {int(spec.get("rank", "-1")), int(spec["link"])} == {rank, peer} and _active(
-            spec, step
-        ):
+        if {int(spec.get("rank", "-1")), int(spec["link"])} == {rank, peer} and _active(spec, step):
             delay = float(spec.get("delay_ms", "1")) * 1e-3
             if not delay >= 0.0:
                 raise ValueError(f"HPCPIPE_INJECT_FAULT: delay_ms = {delay * 1e3} must be >= 0")
