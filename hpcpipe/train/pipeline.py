@@ -83,16 +83,13 @@ class PipelineRank:
         self.n_stages = len(self.rank_of_stage)
         self.chunks_per_rank = len(schedule.stages_of_rank[rank])
         self.messages = plan_messages(schedule, rank, recv_lookahead)
+        mailbox = (pp_comm, backend, self.messages, self.act_shape, backend.dtype)
         slow_links = link_faults(world_rank)
         if slow_links:  # an injected slow link (tests and benchmarks): messages held back
             from hpcpipe.mpi.slowlink import SlowLinkMailbox
 
             self.mailbox = SlowLinkMailbox(
-                pp_comm,
-                backend,
-                self.messages,
-                self.act_shape,
-                backend.dtype,
+                *mailbox,
                 blocking=blocking_sends,
                 specs=slow_links,
                 world_rank=world_rank,
@@ -100,14 +97,7 @@ class PipelineRank:
                 step_of=lambda: self._step_no,
             )
         else:
-            self.mailbox = Mailbox(
-                pp_comm,
-                backend,
-                self.messages,
-                self.act_shape,
-                backend.dtype,
-                blocking=blocking_sends,
-            )
+            self.mailbox = Mailbox(*mailbox, blocking=blocking_sends)
         self._releases = self.messages.releases() if self.mailbox.needs_release else {}
         self.reducer = BucketedAllreduce(dp_comm, backend, bucket_bytes)
         # Dense gradients are reduced over dp; expert gradients (sharded over ep) only over
