@@ -61,15 +61,21 @@ COLUMNS = [
 
 class PollingMailbox(Mailbox):
     """The runtime's mailbox, waiting by `Test` + sleep: on an oversubscribed node a rank
-    spinning in `Wait` would take the core from one whose sleep (its compute) has ended."""
+    spinning in `Wait` would take the core from one whose sleep (its compute) has ended.
+
+    The wait is in `_complete`, which every receive goes through: on the CPU path the mailbox
+    binds `wait_recv` to its host method per instance, so an override of `wait_recv` itself
+    would never run."""
 
     poll_s: float = 20e-6
 
-    def wait_recv(self, i: int) -> Any:
-        request = self._order[i].request
-        while not request.Test():
-            time.sleep(self.poll_s)
-        return super().wait_recv(i)  # completes at once
+    def _complete(self, i: int) -> Any:
+        slot = self._order[i]
+        if not slot.arrived:
+            while not slot.request.Test(slot.status):
+                time.sleep(self.poll_s)
+            slot.arrived = True  # the status holds the message: no Wait
+        return super()._complete(i)
 
 
 def _pause(seconds: float) -> None:

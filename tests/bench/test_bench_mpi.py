@@ -276,3 +276,28 @@ def test_layout_ranking_on_emulated_nodes(mpirun, tmp_path):
     assert sorted(r["meas_rank"] for r in rows) == list(range(1, n + 1))
     assert -1.0 <= data["summary"]["spearman"] <= 1.0
     assert all(r["measured_ms"] > 0.5 * r["predicted_ms"] for r in rows)  # sleeps really ran
+
+
+def test_polling_mailbox_sleeps_while_it_waits():
+    """The synthetic benchmarks' ranks wait by Test + sleep on an oversubscribed node: a rank
+    that spends most of a step waiting uses a small share of a core (spinning in Wait would
+    use all of it: the MPI wait is the control, shown for comparison, not asserted)."""
+    import subprocess
+    import sys
+
+    from conftest import clean_environ, mpiexec_command
+
+    driver = Path(__file__).with_name("poll_driver.py")
+    r = subprocess.run(
+        [*mpiexec_command(), "-n", "2", sys.executable, str(driver), "poll"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_environ(),
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["mailbox"] == "PollingMailbox"
+    assert got["wall"] > 0.15  # four 50 ms forwards on rank 0 come first
+    assert got["cpu"] < 0.5 * got["wall"], got
