@@ -3,8 +3,8 @@
 Messages on the link are handed to the interpreter `delay` after they arrived, so the
 receiver waits as it would behind a congested or slower network path, while the sender's
 compute goes on untouched. "Arrived" is when this rank's mailbox first saw the message
-complete (its pokes between actions), or when it waited for it. Used only when such a fault
-names this rank: the runtime's own mailbox stays as it is.
+complete (its pokes between actions test every posted receive), or when it waited for it.
+Used only when such a fault names this rank: the runtime's own mailbox stays as it is.
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ class SlowLinkMailbox(Mailbox):
 
     def progress(self) -> None:
         super().progress()
-        if self._n_posts > self._n_waits:
-            slot = self._order[self._n_waits]
-            if slot.arrived and id(slot) not in self._seen:
-                self._seen[id(slot)] = time.perf_counter()
+        now = time.perf_counter()
+        for slot in self._order[self._n_waits : self._n_posts]:  # every receive posted
+            if id(slot) in self._seen or not slot.posted:
+                continue
+            if slot.arrived or slot.request.Test(slot.status):
+                slot.arrived = True  # its status holds the message: no Wait
+                self._seen[id(slot)] = now
 
     def _complete(self, i: int) -> Any:
         slot = super()._complete(i)

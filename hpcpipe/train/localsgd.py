@@ -254,6 +254,7 @@ class LocalTrainer(Trainer):
                 total[1] / took,
                 learning_rate(self.cfg.optim, s, steps),
                 float(peak[2]),
+                share=took / self.ctx.rankmap.dp,
             )
         return bool(n and sums[:, 3].max() > 0)
 
@@ -341,10 +342,20 @@ class LocalTrainer(Trainer):
             )
         a = self.cfg.sections["async"]
         self.at_once |= set(earlier)
-        self.ends = round_ends(self.cfg.run.steps, a.average_every, self.at_once)
+        # the checkpoint's step ended a round: so it does here, whatever the cadence now
+        ends = {*round_ends(self.cfg.run.steps, a.average_every, self.at_once), resumed.step}
+        self.ends = sorted(ends)
         taken = resumed.extra.pop(TAKEN, None)
         if taken is not None:
             self.taken = taken.tolist()
+        if resumed.extra and a.delay == 0:
+            raise ConfigError(
+                "--resume",
+                "",
+                f"the checkpoint of step {resumed.step} holds an averaging round in flight "
+                "(written with async.delay = 1), which async.delay = 0 has no place for: "
+                "resume with async.delay = 1",
+            )
         if resumed.extra:
             xp = self.ctx.xp
             totals = {

@@ -25,7 +25,7 @@ def check_local(config: Config, rankmap: RankMap) -> None:
         if bad:
             raise ConfigError(config.source, key, f"{why}; {UNSUPPORTED}")
     every, rounds = config.checkpoint.every, config.sections["async"].average_every
-    if every % rounds:
+    if every < config.run.steps and every % rounds:  # the run's last step always ends a round
         raise ConfigError(
             config.source,
             "checkpoint.every",

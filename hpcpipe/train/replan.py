@@ -243,6 +243,9 @@ class Replanner:
     rows: int = 0
     """Rows of a replica's batch, which the microbatches split; 0: the count stays (MoE
     routing is defined per microbatch, so its decks keep theirs)."""
+    blocking_lookahead: int = 0
+    """With blocking sends (`train.sends`), the receive lookahead a searched schedule must be
+    proven deadlock-free for, as the deck's own is before the run; 0: nonblocking sends."""
     _search_key: tuple[Any, ...] | None = None
     _searched: Any = None  # the search's answer for `_search_key` (a Found, or None)
 
@@ -364,10 +367,25 @@ class Replanner:
                     found = search(p, count, lambda n, c=costs: c, budget, placements=(v_shape,))
                 except BudgetError:  # fewer, larger microbatches may not fit
                     continue
+                if not self._runs_with_blocking_sends(found.schedule):
+                    continue
                 if best is None or found.makespan < best.makespan * (1.0 - 1e-9):
                     best = found
         self._search_key, self._searched = where, best
         return best
+
+    def _runs_with_blocking_sends(self, schedule: Schedule) -> bool:
+        """Whether `schedule` is proven to run with this run's sends (always, nonblocking)."""
+        from hpcpipe.schedules.errors import ScheduleError
+        from hpcpipe.schedules.validate import validate
+
+        if not self.blocking_lookahead:
+            return True
+        try:
+            validate(validate(schedule), sends="blocking", lookahead=self.blocking_lookahead)
+        except ScheduleError:
+            return False
+        return True
 
     def decide(self, proposal: Proposal) -> bool:
         """Whether to switch to `proposal` now (and remember it when so)."""

@@ -143,6 +143,7 @@ class Trainer:
                 self.schedule,
                 unit_groups(units),
                 rows=0 if cfg.moe.enabled else cfg.data.global_batch // ctx.rankmap.dp,
+                blocking_lookahead=cfg.train.recv_lookahead if cfg.train.sends == "blocking" else 0,
             )
             if cfg.replan.enabled
             else None
@@ -504,11 +505,14 @@ class Trainer:
         sq_norm: float,
         lr: float,
         dt: float,
+        share: float = 1.0,
     ) -> None:
+        """`share`: of the global batch, what the step trained (replicas may skip a step)."""
         ctx, cfg = self.ctx, self.cfg
-        tokens = cfg.data.global_batch * cfg.model.seq_len
-        # measured bubble: 1 - mean compute / step time over ranks; peak memory over ranks
-        bubble = max(0.0, 1.0 - total[0] / ctx.size / dt)
+        tokens = cfg.data.global_batch * cfg.model.seq_len * share
+        # measured bubble: 1 - mean compute / step time over the ranks that computed the step;
+        # peak memory over ranks
+        bubble = max(0.0, 1.0 - total[0] / (ctx.size * share) / dt)
         peak_bytes, peak_units = int(peak[0]), float(peak[1])
         figures = {
             "loss": loss,

@@ -243,6 +243,34 @@ def test_local_resume_past_the_end_on_another_pipeline_layout(mpirun, tmp_path, 
     assert len(read_losses(tmp_path / "more")) == 7
 
 
+def test_local_resume_with_another_cadence_allowed_keeps_one_row_per_step(
+    mpirun, tmp_path, local_full
+):
+    """--allow-change async.average_every: the checkpoint's step still ends a round, so no
+    step is logged twice; verify says it cannot retrace the change. A round in flight (delay
+    1) cannot go on under delay 0: exit 2 naming async.delay."""
+    ckpt = str(local_full / "checkpoints" / "step_000004")
+    r = mpirun(
+        4,
+        ["run", DECK, "--resume", ckpt, "--allow-change", "async.average_every", *DELAY1,
+         *_sets(run__output=tmp_path, run__steps=8, async__average_every=3)],
+        timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output
+    assert "verify skipped" in r.stdout, r.output
+    losses = read_losses(tmp_path)
+    assert losses.shape == (8,) and np.isfinite(losses).all()
+    r = mpirun(
+        4,
+        ["run", DECK, "--resume", ckpt, "--allow-change", "async.delay", *DELAY1,
+         *_sets(run__output=tmp_path / "d0", run__steps=8, async__delay=0)],
+        timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 2, r.output
+    assert "holds an averaging round in flight" in r.stderr, r.output
+    assert "resume with async.delay = 1" in r.stderr
+
+
 def test_local_resume_with_other_replicas_is_bad_input(mpirun, tmp_path, local_full):
     r = mpirun(
         4,

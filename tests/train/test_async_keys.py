@@ -23,7 +23,15 @@ LOCAL = ["--set", "async.mode=local"]
         ([*LOCAL, "--set", "async.delay=2"], "async.delay", "one of"),
         ([*LOCAL, "--set", "async.average_every=0"], "async.average_every", ">= 1"),
         (
-            [*LOCAL, "--set", "async.average_every=4", "--set", "checkpoint.every=6"],
+            [
+                *LOCAL,
+                "--set",
+                "async.average_every=4",
+                "--set",
+                "checkpoint.every=6",
+                "--set",
+                "run.steps=12",
+            ],
             "checkpoint.every",
             "not a multiple of async.average_every = 4",
         ),
@@ -38,4 +46,20 @@ def test_bad_async_keys_exit_2_naming_the_key(cli, extra, key, why):
 
 def test_a_good_local_deck_passes_the_dry_run(cli):
     r = cli(["run", DECK, "--dry-run", "--world", "4", *LOCAL, "--set", "async.delay=1"])
+    assert r.returncode == 0, r.output
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [*LOCAL, "--set", "async.average_every=4"],
+        ["--set", "async.mode=2bw", "--set", "async.flush_every=4", "--set", "topology.pp=4"],
+    ],
+    ids=["local", "2bw"],
+)
+def test_a_checkpoint_at_the_runs_end_only_needs_no_cadence(cli, extra):
+    """checkpoint.every >= run.steps writes the last step's checkpoint alone, which always
+    ends a round and drains a stream: no multiple of the cadence is asked for."""
+    sets = ["--set", "run.steps=6", "--set", "checkpoint.every=6"]
+    r = cli(["run", DECK, "--dry-run", "--world", "4", *extra, *sets])
     assert r.returncode == 0, r.output

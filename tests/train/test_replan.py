@@ -185,6 +185,32 @@ def test_replan_search_finds_a_schedule_for_the_new_stage_costs():
     assert not again.changes
 
 
+def test_replan_search_keeps_only_schedules_blocking_sends_can_run():
+    """With train.sends = "blocking" a searched schedule must be proven deadlock-free for the
+    run's lookahead, as the deck's own is before the run: the W-deferring order found for a
+    slow rank needs 2 receives ahead, so with 1 the re-plan keeps 1F1B and moves layers only."""
+    from hpcpipe.schedules.errors import ScheduleError
+    from hpcpipe.schedules.validate import validate
+
+    schedule = build_schedule("1f1b", 2, 4)
+    current = (range(0, 4), range(4, 8))
+    measured = _measured(schedule, current, [1.0, 2.0])
+    free = Replanner(ReplanConfig(enabled=True, search=True), schedule, GROUPS)
+    found = free.propose(current, measured).schedule
+    assert found is not None
+    with pytest.raises(ScheduleError):
+        validate(validate(found), sends="blocking", lookahead=1)
+    tight = Replanner(
+        ReplanConfig(enabled=True, search=True), schedule, GROUPS, blocking_lookahead=1
+    )
+    proposal = tight.propose(current, measured)
+    assert proposal.schedule is None and proposal.changes  # the partition still moves
+    roomy = Replanner(
+        ReplanConfig(enabled=True, search=True), schedule, GROUPS, blocking_lookahead=2
+    )
+    assert roomy.propose(current, measured).schedule is not None
+
+
 def test_replan_search_may_split_the_batch_another_way():
     """With the replica's rows known, microbatch counts in [p, 4p] dividing them are searched
     too, each microbatch's costs and activations scaled by its rows (the time outside the
