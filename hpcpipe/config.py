@@ -270,6 +270,14 @@ class DeviceConfig:
         "floating-point type of parameters and activations",
         choices=("float32", "float64"),
     )
+    synthetic_us_per_row: float = option(
+        0.0,
+        "0: units take as long as their arithmetic. > 0: a synthetic device for timing "
+        "pipelines of more ranks than cores: each unit's F, B and W last at least this many "
+        "us per row of the microbatch for the heaviest unit (a block; others in proportion to "
+        "their FLOPs), sleeping after the real arithmetic, which runs unchanged",
+        minimum=0.0,
+    )
 
 
 # Sections owned by later components are registered by dotted path and imported lazily, so a

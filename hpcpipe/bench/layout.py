@@ -33,11 +33,12 @@ from mpi4py import MPI
 from hpcpipe.backend import make_backend
 from hpcpipe.bench.synthetic import PollingMailbox, SleepStage, _pause
 from hpcpipe.bench.table import Column, Report
-from hpcpipe.bench.training import StepClock, fine_timer_slack
+from hpcpipe.bench.training import StepClock
 from hpcpipe.config import ConfigError, load_config
 from hpcpipe.layout.cost import LayoutCost, Prediction
 from hpcpipe.layout.machine import Machine
 from hpcpipe.schedules import validate
+from hpcpipe.sleeps import fine_timer_slack
 from hpcpipe.topology import RankMap
 from hpcpipe.train.pipeline import PipelineRank
 

@@ -30,13 +30,14 @@ from mpi4py import MPI
 from hpcpipe.bench.harness import median
 from hpcpipe.bench.synthetic import polling, sleeping_runner, synthetic_costs
 from hpcpipe.bench.table import Column, Report
-from hpcpipe.bench.training import StepClock, bench_config, fine_timer_slack, schedule_names
+from hpcpipe.bench.training import StepClock, bench_config, schedule_names
 from hpcpipe.config import ConfigError
 from hpcpipe.io.trace import Recorder
 from hpcpipe.schedules import CostModel, Schedule, ScheduleError, simulate, validate
 from hpcpipe.schedules.flushfree import FlushFreePlan, flush_free
 from hpcpipe.schedules.ir import Kind
 from hpcpipe.schedules.report import load_schedule
+from hpcpipe.sleeps import fine_timer_slack
 from hpcpipe.train.flushfree_rank import FlushFreeRank
 from hpcpipe.train.optim import init_state
 

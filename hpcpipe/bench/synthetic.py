@@ -30,7 +30,7 @@ from hpcpipe.backend import make_backend
 from hpcpipe.bench.harness import median
 from hpcpipe.bench.model import step_figures
 from hpcpipe.bench.table import Column, Report
-from hpcpipe.bench.training import StepClock, bench_config, fine_timer_slack, schedule_names
+from hpcpipe.bench.training import StepClock, bench_config, schedule_names
 from hpcpipe.config import ConfigError
 from hpcpipe.mpi.p2p import Mailbox
 from hpcpipe.schedules import CostModel, Schedule, ScheduleError, validate
@@ -39,6 +39,7 @@ from hpcpipe.schedules.config import cost_model
 from hpcpipe.schedules.replay import COMPUTE, action_counts
 from hpcpipe.schedules.report import load_schedule
 from hpcpipe.schedules.simulate import durations
+from hpcpipe.sleeps import fine_timer_slack
 from hpcpipe.train.pipeline import PipelineRank
 
 __all__ = ["SleepStage", "polling", "run_synthetic", "sleeping_runner", "synthetic_costs"]

@@ -9,8 +9,6 @@ work is not counted as another rank's pipeline time.
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from hpcpipe.config import Config, ConfigError, load_config
 from hpcpipe.mpi.idle import idle_barrier
 from hpcpipe.preflight import build_rankmap
 from hpcpipe.runtime import RunContext
+from hpcpipe.sleeps import sleep_until
 from hpcpipe.train.pipeline import PipelineRank, StepResult
 
 __all__ = [
@@ -31,10 +30,8 @@ __all__ = [
     "StepClock",
     "StepLog",
     "bench_config",
-    "fine_timer_slack",
     "load_or_skip",
     "schedule_names",
-    "sleep_until",
     "world_context",
 ]
 
@@ -83,22 +80,6 @@ def world_context(comm: MPI.Comm, config: Config) -> QuietContext:
     backend = make_backend(dev.kind, dev.dtype, node_info.local_rank, dev.cuda_aware)
     comms = build_comms(comm, rankmap, node_comm, node_info)
     return QuietContext(config, rankmap, comms, backend, Path(config.run.output))
-
-
-def fine_timer_slack() -> None:
-    """Ask Linux for 1 us timer slack (default 50 us), so sleeps end close to when asked."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, in ns
-        except (OSError, AttributeError):
-            return
-
-
-def sleep_until(deadline: float) -> None:
-    """Sleep (never spin: on an oversubscribed node spinning steals the core) until then."""
-    left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
 
 
 class StepClock:

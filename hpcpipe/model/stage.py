@@ -22,7 +22,7 @@ receive buffer must be copied, or not refilled, while those contexts are alive.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,8 +31,9 @@ from hpcpipe.model.blocks import LossHead
 from hpcpipe.model.layers import Array, Embedding, Layer, Module, activation_bytes, array_module
 from hpcpipe.model.models import Params
 from hpcpipe.model.steps import Steps, run
+from hpcpipe.sleeps import sleep_until_ns
 
-__all__ = ["Stage", "accumulate", "zeros_like"]
+__all__ = ["Stage", "accumulate", "modelled_unit_ns", "zeros_like"]
 
 
 class Stage:
@@ -61,8 +62,15 @@ class Stage:
         self.slowdown = 1.0
         """Each unit's F, B and W take this many times as long: an injected `kind=slow` fault
         (`hpcpipe.faults.slowdown`), a stand-in for a throttled or older device."""
+        self.modelled_ns: Mapping[int, int] | None = None
+        """Per global unit index, how long each of its F, B and W lasts at least: a synthetic
+        device (`[device] synthetic_us_per_row`, `modelled_unit_ns`). The real arithmetic runs
+        inside that time and the unit sleeps the rest, so a pipeline of more ranks than cores
+        keeps the timing of one with a core each."""
 
     def _timed(self, kind: str, i: int, t0: int) -> None:
+        if self.modelled_ns is not None:
+            sleep_until_ns(t0 + self.modelled_ns.get(i, 0))
         if self.unit_ns is not None or self.slowdown > 1.0:  # else: nothing to charge
             self._charge(kind, i, time.perf_counter_ns() - t0)
 
@@ -79,7 +87,7 @@ class Stage:
     def _computing(self, kind: str, i: int, steps: Steps[Any]) -> Steps[Any]:
         """A unit's steps, its compute between collectives charged to it (`_charge`), the
         collectives themselves (run by whoever drives the steps) not."""
-        if self.unit_ns is None and self.slowdown == 1.0:
+        if self.unit_ns is None and self.slowdown == 1.0 and self.modelled_ns is None:
             return (yield from steps)
         spent, value = 0, None
         try:
@@ -94,6 +102,10 @@ class Stage:
                 value = yield operation
         finally:
             steps.close()
+            if self.modelled_ns is not None:  # the compute's share of the modelled time
+                t0 = time.perf_counter_ns()
+                sleep_until_ns(t0 + self.modelled_ns.get(i, 0) - spent)
+                spent += time.perf_counter_ns() - t0
             self._charge(kind, i, spent)
 
     def __repr__(self) -> str:
@@ -198,6 +210,15 @@ class Stage:
     def activation_bytes(ctx: Any) -> int:
         """Bytes held by a ctx (after F) or a wctx (after B), each buffer counted once."""
         return activation_bytes(ctx)
+
+
+def modelled_unit_ns(units: Sequence[Module], us_per_row: float, rows: int) -> dict[int, int]:
+    """Nanoseconds each unit's F, B and W last on a synthetic device: `us_per_row` per row of
+    the microbatch for the model's heaviest unit (a block), the others in proportion to their
+    FLOPs per token, the split that `train.partition = "flops"` balances."""
+    flops = [u.flops_per_token() for u in units]
+    heaviest = max(max(flops), 1)
+    return {i: round(us_per_row * 1e3 * rows * f / heaviest) for i, f in enumerate(flops)}
 
 
 def zeros_like(params: Params) -> Params:

@@ -26,7 +26,7 @@ from hpcpipe.config import ConfigError
 from hpcpipe.faults import maybe_fail
 from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.model.models import boundary_shape, build_model
-from hpcpipe.model.stage import Stage
+from hpcpipe.model.stage import Stage, modelled_unit_ns
 from hpcpipe.mpi.collectives import allreduce
 from hpcpipe.mpi.idle import idle_barrier
 from hpcpipe.runtime import RunContext
@@ -34,6 +34,7 @@ from hpcpipe.schedules.config import cost_model
 from hpcpipe.schedules.errors import ScheduleError
 from hpcpipe.schedules.flushfree import FlushFreePlan, steady_state
 from hpcpipe.schedules.validate import validate
+from hpcpipe.sleeps import fine_timer_slack
 from hpcpipe.train.checkpointing import restore, save
 from hpcpipe.train.checks import deck_partition
 from hpcpipe.train.data import build_dataset
@@ -96,6 +97,11 @@ class StreamRun:
         self.ranges = deck_partition(cfg, units, first.schedule.stages_of_rank)
         mine = first.schedule.stages_of_rank[self.pp_rank]
         self.stages = {s: Stage(units, self.ranges[s]) for s in mine}
+        if cfg.device.synthetic_us_per_row > 0:
+            fine_timer_slack()
+            modelled = modelled_unit_ns(units, cfg.device.synthetic_us_per_row, self.rows_mb)
+            for stage in self.stages.values():
+                stage.modelled_ns = modelled
         dtype = ctx.backend.dtype
         self.params = {s: self.stages[s].init(cfg.run.seed, ctx.xp, dtype) for s in mine}
         self.opt_state = {s: init_state(cfg.optim, self.params[s]) for s in mine}

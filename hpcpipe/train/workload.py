@@ -22,13 +22,14 @@ from hpcpipe.io.space import ensure_space
 from hpcpipe.io.trace import EventKind, write_trace
 from hpcpipe.jobcontrol import StopSignal, write_status
 from hpcpipe.model.models import boundary_shape, build_model
-from hpcpipe.model.stage import Stage
+from hpcpipe.model.stage import Stage, modelled_unit_ns
 from hpcpipe.moe import summarize_stats
 from hpcpipe.mpi.collectives import allreduce, exchange_objects
 from hpcpipe.mpi.idle import idle_barrier
 from hpcpipe.mpi.p2p import TagLimitError
 from hpcpipe.runtime import RunContext
 from hpcpipe.schedules.ir import Schedule
+from hpcpipe.sleeps import fine_timer_slack
 from hpcpipe.topology import format_ranks
 from hpcpipe.train.checkpointing import restore, save
 from hpcpipe.train.checks import deck_partition
@@ -153,10 +154,18 @@ class Trainer:
         self._window: list[tuple[dict[tuple[str, int], float], dict[tuple[str, int], float]]] = []
         self._time_units()
         self._warm = False  # the first step of a partition pays first-touch costs: not timed
+        self._modelled: tuple[int, dict[int, int]] | None = None
+        if cfg.device.synthetic_us_per_row > 0:
+            fine_timer_slack()
         ctx.log(
             f"train: model={cfg.model.kind} units={len(units)} schedule={self.schedule.name} "
             f"stages={self.schedule.num_stages} microbatches={m} rows/mb={self.rows_mb} "
             f"stage_units={[len(r) for r in ranges]}"
+            + (
+                f" synthetic_us_per_row={cfg.device.synthetic_us_per_row:g}"
+                if cfg.device.synthetic_us_per_row > 0
+                else ""
+            )
             + (
                 f" optimal_loss={self.dataset.optimal_loss:.4f}"
                 if self.dataset.optimal_loss
@@ -257,9 +266,9 @@ class Trainer:
         # each microbatch's share of the objective's rows (the global batch's, synchronously):
         # the summed gradients are the gradient of its mean loss
         weight = rows / self.objective_rows
-        factor = slowdown(step + 1, ctx.rank)
+        factor, modelled = slowdown(step + 1, ctx.rank), self._modelled_ns()
         for stage in self.runner.stages.values():
-            stage.slowdown = factor
+            stage.slowdown, stage.modelled_ns = factor, modelled
         result = self.runner.step(step, inputs, targets, weight)
         units = self._unit_seconds()
         if self._warm or steps == 1:  # a partition's first step pays first-touch allocations
@@ -303,6 +312,16 @@ class Trainer:
         if step % cfg.run.log_every == 0 or step == steps - 1:
             self.flush_figures()
         return stopping
+
+    def _modelled_ns(self) -> dict[int, int] | None:
+        """Per unit, how long a synthetic device's F, B and W last at this microbatch size
+        (None: a real one); re-planning may change the size."""
+        us = self.cfg.device.synthetic_us_per_row
+        if us <= 0:
+            return None
+        if self._modelled is None or self._modelled[0] != self.rows_mb:
+            self._modelled = (self.rows_mb, modelled_unit_ns(self.units, us, self.rows_mb))
+        return self._modelled[1]
 
     def _scalars(self, result: StepResult, stop_flag: float) -> tuple[float, float, bool]:
         """The step's loss and squared gradient norm over what one optimizer step covers (the
@@ -798,8 +817,12 @@ def _report_timing(
 
 
 def _oversubscribed(ctx: RunContext) -> str:
-    """A warning suffix when a node runs more ranks than it has cores: timings mean little."""
+    """A warning suffix when a node runs more ranks than it has cores: timings mean little
+    (unless the device is synthetic: its units sleep for their time, sharing no core)."""
     import os
+
+    if ctx.config.device.synthetic_us_per_row > 0:
+        return ""
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     local = ctx.comms.node.size if not ctx.comms.node_info.virtual else ctx.size
