@@ -1,10 +1,12 @@
 """Figure: re-planning around a slow rank, against not re-planning and the best fixed partition.
 
     python benchmarks/replan.py               # 2 ranks (pp = 2), the real GPT model, 3 repeats
+    python benchmarks/replan_synthetic.py     # 4 ranks (pp = 4) on a synthetic device
 
-One pipeline rank is made 2x slower from step 5 (HPCPIPE_INJECT_FAULT kind=slow: every unit's
-compute stretched). Cases, each run `--repeats` times in interleaved order, step times the
-median over the steps that follow the run's last switch (or, without one, its warm-up):
+One pipeline rank (`--slow-rank`, default the last) is made 2x slower from step 5
+(HPCPIPE_INJECT_FAULT kind=slow: every unit's compute stretched). Cases, each run `--repeats`
+times in interleaved order, step times the median over the steps that follow the run's last
+switch (or, without one, its warm-up):
 
 - balanced: no slowdown, [replan] off (the reference step);
 - quiet: no slowdown, [replan] on: what checking costs, and whether noise makes it switch;
@@ -14,22 +16,30 @@ median over the steps that follow the run's last switch (or, without one, its wa
   re-searched for the measured stage costs, within the current activation memory);
 - quiet + search: no slowdown, [replan] on with `search`: a schedule faster than the deck's for
   the measured costs is taken once, then nothing moves;
-- best fixed: the slowdown from step 1, every contiguous partition given as train.stage_units;
-  the fastest one measured is the best plan computed offline with the true costs;
+- best fixed: the slowdown from step 1, fixed partitions given as train.stage_units: every
+  contiguous one where there are at most 12, else the 4 the simulator predicts fastest with the
+  true costs (the units' FLOPs, which a synthetic device's modelled times follow exactly, and
+  the slowdown); the fastest one measured is the best plan computed offline;
 - ends: the slowdown from step 5 to step 30, [replan] on: checks until the deck's partition is
   back (or one as fast: ten steps within 5% of the balanced case's).
 
-pp = 2 because this machine has 2 cores: more ranks would share cores, and their step times
-would measure the sharing. Writes replan.json and replan_before.png / replan_after.png (the
-timeline of the replan case's last slow step before its switch, and of its last step).
+The real model runs on pp = 2 because this machine has 2 cores: more ranks would share cores,
+and their step times would measure the sharing. `inputs/replan_synthetic.toml` runs pp = 4 on a
+synthetic device (`[device] synthetic_us_per_row`): each unit's F, B and W last a modelled time,
+its real arithmetic inside it and a sleep for the rest, so 4 ranks keep their timing on 2
+cores. Writes FIGURE.json, FIGURE_before.png and FIGURE_after.png (FIGURE: replan or
+replan_synthetic; the pictures are the timelines of the replan case's last slow step before its
+switch, and of its last step).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +94,19 @@ def _steady(times: np.ndarray, after: int) -> float:
     return float(np.median(times[after:]))
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None, figure: str = FIGURE, **defaults: Any) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deck", default="inputs/gpt_pp4.toml")
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--slow-rank", type=int, default=-1, help="default: the last")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--check-every", type=int, default=5)
-    args = ap.parse_args()
+    ap.set_defaults(**defaults)
+    args = ap.parse_args(argv)
     ranks = args.ranks
+    slow_rank = args.slow_rank % ranks
     common = [
         f"topology.pp={ranks}",
         "topology.dp=1",
@@ -104,13 +117,9 @@ def main() -> None:
     ]
     on = ["replan.enabled=true", f"replan.check_every={args.check_every}"]
     search = ["replan.search=true"]
-    slow = f"rank={ranks - 1},at=step:5,kind=slow,factor={args.factor}"
-    from hpcpipe.config import load_config
-    from hpcpipe.model.models import build_model
-
-    cfg = load_config(Path(args.deck), [f"topology.pp={ranks}"])
-    n_units = len(build_model(cfg.model, cfg.moe))
-    partitions = [[k, n_units - k] for k in range(1, n_units)] if ranks == 2 else []
+    slow = f"rank={slow_rank},at=step:5,kind=slow,factor={args.factor}"
+    predicted = _predicted_partitions(args.deck, ranks, slow_rank, args.factor)
+    partitions = [units for _, units in (predicted if len(predicted) <= 12 else predicted[:4])]
     deck = _deck_units(args.deck, ranks)
     cases: dict[str, list[float]] = {}
     quiet_switches: list[int] = []
@@ -139,7 +148,7 @@ def main() -> None:
             replan_units.append(r["units"][-1] if r["units"] else [])
             first_switch.append(r["switches"][0] if r["switches"] else -1)
             if rep == 0:
-                _pictures(out / "d" / "trace.h5", r["switches"])
+                _pictures(out / "d" / "trace.h5", r["switches"], figure)
             r = _run(ranks, args.deck, out / "s", [*common, *on, *search], slow)
             last = max(r["switches"], default=10)
             cases.setdefault("replan_search", []).append(_steady(r["times"], last + 1))
@@ -152,7 +161,7 @@ def main() -> None:
             quiet_search.append(list(zip(r["switches"], r["schedules"], strict=True)))
             for part in partitions:
                 sets = [*common, f"train.stage_units={part}"]
-                fault = f"rank={ranks - 1},at=step:1,kind=slow,factor={args.factor}"
+                fault = f"rank={slow_rank},at=step:1,kind=slow,factor={args.factor}"
                 r = _run(ranks, args.deck, out / "e", sets, fault)
                 best.setdefault(str(part), []).append(_steady(r["times"], 10))
             r = _run(ranks, args.deck, out / "f", [*common, *on], f"{slow},until=30")
@@ -163,10 +172,10 @@ def main() -> None:
     best_part = min(best_med, key=best_med.get) if best_med else None
     t_best = best_med[best_part] if best_part else float("nan")
     report = Report(
-        FIGURE,
+        figure,
         [
             f"re-planning around a slow rank: {ranks} ranks (pp = {ranks}), {args.deck}, 1f1b, "
-            f"{args.steps} steps, rank {ranks - 1} {args.factor:g}x slower from step 5",
+            f"{args.steps} steps, rank {slow_rank} {args.factor:g}x slower from step 5",
             f"step time = median after the run's last switch (else after step 10), median of "
             f"{args.repeats} interleaved repetitions; replan.check_every = {args.check_every}",
         ],
@@ -200,7 +209,13 @@ def main() -> None:
             }
         )
     measured = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in best_med.items())
-    report.note(f"every fixed partition with the slowdown (ms): {measured}")
+    simulated = ", ".join(f"{units} {t:.4g}" for t, units in predicted[: len(partitions)])
+    which = "every" if len(partitions) == len(predicted) else f"the {len(partitions)} predicted"
+    report.note(f"{which} fixed partition with the slowdown, measured (ms): {measured}")
+    report.note(
+        f"predicted fastest of {len(predicted)} with the true costs (simulated, FLOP units): "
+        f"{simulated}"
+    )
     report.note(f"replan + search runs ended on {search_plans}")
     report.note(f"quiet replan + search runs switched (after step, to) {quiet_search}")
     report.note(
@@ -251,8 +266,8 @@ def main() -> None:
     }
     print(report.render())
     out = report.write(
-        RESULTS / f"{FIGURE}.json",
-        command="python benchmarks/replan.py" + "".join(f" {a}" for a in sys.argv[1:]),
+        RESULTS / f"{figure}.json",
+        command=f"python benchmarks/{figure}.py" + "".join(f" {a}" for a in sys.argv[1:]),
         machine=machine_facts(),
     )
     print(f"# wrote {out.relative_to(RESULTS.parent.parent)}")
@@ -270,7 +285,33 @@ def _deck_units(deck: str, ranks: int) -> list[int]:
     return [len(r) for r in ranges]
 
 
-def _pictures(trace_path: Path, switches: list[int]) -> None:
+def _predicted_partitions(
+    deck: str, ranks: int, slow_rank: int, factor: float
+) -> list[tuple[float, list[int]]]:
+    """Every contiguous partition of the deck's model over one stage per rank, with 1F1B's
+    simulated step for the true costs (F = B = W = a unit's FLOPs, the slow rank's times
+    `factor`), fastest first."""
+    from hpcpipe.config import load_config
+    from hpcpipe.model.models import build_model
+    from hpcpipe.schedules.report import runnable_schedule
+    from hpcpipe.schedules.simulate import CostModel, simulate
+
+    cfg = load_config(Path(deck), [f"topology.pp={ranks}", "pipeline.schedule=1f1b"])
+    schedule, _ = runnable_schedule(cfg.pipeline, ranks, cfg.source)
+    flops = np.array([u.flops_per_token() for u in build_model(cfg.model, cfg.moe)], float)
+    prefix = np.concatenate(([0.0], np.cumsum(flops / flops.max())))
+    speed = np.ones(ranks)
+    speed[slow_rank] = factor
+    out = []
+    for cuts in itertools.combinations(range(1, len(flops)), ranks - 1):
+        bounds = (0, *cuts, len(flops))
+        t = np.array([prefix[b] - prefix[a] for a, b in itertools.pairwise(bounds)]) * speed
+        step = simulate(schedule, CostModel(t_f=t, t_b=t, t_w=t)).makespan
+        out.append((float(step), [b - a for a, b in itertools.pairwise(bounds)]))
+    return sorted(out)
+
+
+def _pictures(trace_path: Path, switches: list[int], figure: str) -> None:
     from hpcpipe.analysis.plots import plot_timeline
     from hpcpipe.io.trace import read_trace
 
@@ -278,14 +319,14 @@ def _pictures(trace_path: Path, switches: list[int]) -> None:
     before = switches[0] if switches else trace.steps[-1]
     plot_timeline(
         trace,
-        RESULTS / "replan_before.png",
+        RESULTS / f"{figure}_before.png",
         step=before,
         title=f"slow rank, before re-planning: step {before} (ends with the REPLAN move)",
     )
     plot_timeline(
-        trace, RESULTS / "replan_after.png", step=trace.steps[-1], title="after re-planning"
+        trace, RESULTS / f"{figure}_after.png", step=trace.steps[-1], title="after re-planning"
     )
-    print("# wrote benchmarks/results/replan_before.png, replan_after.png")
+    print(f"# wrote benchmarks/results/{figure}_before.png, {figure}_after.png")
 
 
 if __name__ == "__main__":

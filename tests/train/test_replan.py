@@ -258,6 +258,25 @@ def test_the_switching_rule_has_a_threshold_and_a_cooldown():
     assert planner.decide(_proposal(0.3))
 
 
+def test_a_plan_made_for_a_slowdown_is_left_when_the_slowdown_ends():
+    """Below min_gain a switch waits, unless the speeds the running plan was made for are
+    gone: then it is left for any predicted gain (and only then)."""
+
+    def proposal(gain: float, slowness: tuple[float, float]) -> Proposal:
+        current, ranges = (range(0, 5), range(5, 8)), (range(0, 4), range(4, 8))
+        return Proposal(ranges, current, slowness, 1.0, 1.0 - gain)
+
+    planner = Replanner(ReplanConfig(min_gain=0.05, cooldown=0), build_schedule("1f1b", 2, 4), [])
+    assert not planner.decide(proposal(0.03, (1.0, 2.0)))  # before any switch: min_gain
+    assert planner.decide(proposal(0.4, (1.0, 2.0)))
+    assert planner.planned_for == (1.0, 2.0)
+    assert not planner.decide(proposal(0.03, (1.0, 1.97)))  # speeds as planned: noise
+    assert not planner.decide(proposal(0.0, (1.0, 1.0)))  # gone, but nothing to gain
+    assert planner.decide(proposal(0.03, (1.0, 1.0)))  # the slowdown ended
+    assert planner.planned_for == (1.0, 1.0)
+    assert not planner.decide(proposal(0.03, (1.0, 1.02)))  # and noise does not flap
+
+
 def test_action_costs_are_per_action_medians():
     schedule = build_schedule("1f1b", 2, 4)
     window = [{("F", 0): 4.0, ("BW", 0): 8.0}, {("F", 0): 8.0, ("BW", 0): 8.0}, {("F", 0): 6.0}]
