@@ -132,6 +132,8 @@ SUMMARY = (
     "moe_alltoall",
     "pipeline_step",
     "pipeline_synthetic",
+    "replan",
+    "replan_synthetic",
     "flushfree",
     "flushfree_synthetic",
     "async_dp",

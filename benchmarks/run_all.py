@@ -23,6 +23,7 @@ FIGURES = (
     "pipeline_synthetic",
     "pipeline_pairs",
     "replan",
+    "replan_synthetic",
     "flushfree",
     "flushfree_synthetic",
     "async_dp",
