@@ -17,9 +17,9 @@ switch (or, without one, its warm-up):
 - quiet + search: no slowdown, [replan] on with `search`: a schedule faster than the deck's for
   the measured costs is taken once, then nothing moves;
 - best fixed: the slowdown from step 1, fixed partitions given as train.stage_units: every
-  contiguous one where there are at most 12, else the 4 the simulator predicts fastest with the
-  true costs (the units' FLOPs, which a synthetic device's modelled times follow exactly, and
-  the slowdown); the fastest one measured is the best plan computed offline;
+  contiguous one where there are at most 12, else the 4 the simulator predicts fastest with
+  the units' FLOPs as costs and the slowdown (a synthetic device's true costs: its modelled
+  times follow the FLOPs exactly); the fastest one measured is the best plan computed offline;
 - ends: the slowdown from step 5 to step 30, [replan] on: checks until the deck's partition is
   back (or one as fast: ten steps within 5% of the balanced case's).
 
@@ -213,8 +213,8 @@ def main(argv: Sequence[str] | None = None, figure: str = FIGURE, **defaults: An
     which = "every" if len(partitions) == len(predicted) else f"the {len(partitions)} predicted"
     report.note(f"{which} fixed partition with the slowdown, measured (ms): {measured}")
     report.note(
-        f"predicted fastest of {len(predicted)} with the true costs (simulated, FLOP units): "
-        f"{simulated}"
+        f"predicted fastest of {len(predicted)} with FLOP costs (simulated; a synthetic "
+        f"device's true costs): {simulated}"
     )
     report.note(f"replan + search runs ended on {search_plans}")
     report.note(f"quiet replan + search runs switched (after step, to) {quiet_search}")

@@ -66,8 +66,8 @@ class ReplanConfig:
     min_gain: float = option(
         0.05,
         "switch only when the new partition's predicted step is at least this fraction "
-        "shorter than the current one's (measured with the same costs); a partition chosen "
-        "for rank speeds that have since moved by more than this is left for any gain",
+        "shorter than the current one's (measured with the same costs); a plan made for a "
+        "slow rank is left for any gain once that slowdown has eased by more than this",
         minimum=0.0,
         maximum=0.9,
     )
@@ -240,7 +240,7 @@ class Replanner:
     checks_since_switch: int | None = None
     """None before the first switch (no cooldown yet)."""
     planned_for: tuple[float, ...] = ()
-    """The rank slowness the last switch was made for (empty before the first switch)."""
+    """Each rank's slowness when the last switch was made (empty before the first switch)."""
     _descent_key: tuple[Any, ...] | None = None
     _descent: tuple[range, ...] = ()
     rows: int = 0
@@ -394,30 +394,30 @@ class Replanner:
         """Whether to switch to `proposal` now (and remember it when so).
 
         A switch needs a predicted gain of `min_gain`: the hysteresis that keeps noise in the
-        measured costs from moving layers. A plan a switch made for some rank speeds is left
-        for any predicted gain once those speeds are gone (a rank's slowness moved by more
-        than `min_gain` since): a slowdown that ends is evidence, not noise, and the plan it
-        caused would otherwise stay up to `min_gain` slower than the balanced one."""
+        measured costs from moving layers. A plan a switch made for a slow rank is left for any
+        predicted gain once that slowdown has eased by more than `min_gain` (the slowest rank's
+        slowness, relative to the fastest, has dropped by more than that fraction since): a
+        slowdown that ends is evidence, not noise, and the plan made for it would otherwise
+        stay up to `min_gain` slower than the balanced one. Only an easing counts, so a plan
+        made for equal ranks never switches on a smaller gain."""
         if self.checks_since_switch is not None:
             self.checks_since_switch += 1
             if self.checks_since_switch <= self.config.cooldown:
                 return False
         if not proposal.changes or proposal.gain <= 0.0:
             return False
-        if proposal.gain < self.config.min_gain and not self._speeds_gone(proposal.slowness):
+        if proposal.gain < self.config.min_gain and not self._slowdown_eased(proposal.slowness):
             return False
         self.checks_since_switch = 0
         self.planned_for = proposal.slowness
         return True
 
-    def _speeds_gone(self, slowness: Sequence[float]) -> bool:
-        """Whether the rank speeds the last switch was made for no longer hold."""
+    def _slowdown_eased(self, slowness: Sequence[float]) -> bool:
+        """Whether the slowest rank the last switch was made for is now faster by more than
+        `min_gain` (relative to the fastest rank, at both times)."""
         if not self.planned_for:
             return False
-        moved = max(
-            abs(now / then - 1.0) for now, then in zip(slowness, self.planned_for, strict=True)
-        )
-        return moved > self.config.min_gain
+        return max(self.planned_for) / max(slowness) - 1.0 > self.config.min_gain
 
 
 def _descend(

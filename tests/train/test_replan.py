@@ -259,8 +259,8 @@ def test_the_switching_rule_has_a_threshold_and_a_cooldown():
 
 
 def test_a_plan_made_for_a_slowdown_is_left_when_the_slowdown_ends():
-    """Below min_gain a switch waits, unless the speeds the running plan was made for are
-    gone: then it is left for any predicted gain (and only then)."""
+    """Below min_gain a switch waits, unless the slowdown the running plan was made for has
+    eased by more than min_gain: then it is left for any predicted gain (and only then)."""
 
     def proposal(gain: float, slowness: tuple[float, float]) -> Proposal:
         current, ranges = (range(0, 5), range(5, 8)), (range(0, 4), range(4, 8))
@@ -270,11 +270,17 @@ def test_a_plan_made_for_a_slowdown_is_left_when_the_slowdown_ends():
     assert not planner.decide(proposal(0.03, (1.0, 2.0)))  # before any switch: min_gain
     assert planner.decide(proposal(0.4, (1.0, 2.0)))
     assert planner.planned_for == (1.0, 2.0)
-    assert not planner.decide(proposal(0.03, (1.0, 1.97)))  # speeds as planned: noise
-    assert not planner.decide(proposal(0.0, (1.0, 1.0)))  # gone, but nothing to gain
+    assert not planner.decide(proposal(0.03, (1.0, 1.97)))  # as slow as planned: noise
+    assert not planner.decide(proposal(0.0, (1.0, 1.0)))  # eased, but nothing to gain
     assert planner.decide(proposal(0.03, (1.0, 1.0)))  # the slowdown ended
     assert planner.planned_for == (1.0, 1.0)
-    assert not planner.decide(proposal(0.03, (1.0, 1.02)))  # and noise does not flap
+    # a plan made for equal ranks: noise in either direction needs min_gain
+    assert not planner.decide(proposal(0.03, (1.0, 1.08)))
+    assert not planner.decide(proposal(0.03, (1.08, 1.0)))
+    assert planner.decide(proposal(0.06, (1.0, 1.08)))
+    # the slowdown moved to another rank, as slow: no easing
+    planner.planned_for = (1.0, 2.0)
+    assert not planner.decide(proposal(0.03, (2.0, 1.0)))
 
 
 def test_action_costs_are_per_action_medians():
