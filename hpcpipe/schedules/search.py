@@ -291,11 +291,15 @@ def search(
             add(item)
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
     budget_evals = _refine_evals(p, m)
-    for *_, found in ranked[:REFINED]:
+    for k, (*_, found) in enumerate(ranked[:REFINED]):
         if found.schedule.pairs.size:
             continue
         sched, result, _ = refine(
-            found.schedule, costs_for(found.schedule.num_stages), budget, budget_evals
+            found.schedule,
+            costs_for(found.schedule.num_stages),
+            budget,
+            budget_evals,
+            shifts=k == 0,  # the shift pass (small problems only) for the fastest one
         )
         if _faster(result.makespan, found.makespan):
             how = "refined " + found.how

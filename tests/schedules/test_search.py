@@ -271,3 +271,33 @@ def test_cli_plan_pareto(cli):
     r = cli(["plan", "inputs/train_auto.toml", "--set", "pipeline.memory_budget=0.9"])
     assert r.returncode == 2
     assert "pipeline.memory_budget = 0.9 is too small" in r.stderr
+
+
+def test_shifting_single_actions_reaches_the_exact_optimum_the_gap_moves_miss():
+    """p = 3, m = 3, budget 2.5, unit costs: V-Half's 11.5 is no local optimum for an action
+    moved later as well as earlier (the last stage's F and B alternate, the first stage's W
+    waits for the end); the exact optimum is 10.5 (CP-SAT, benchmarks/schedule_exact.py).
+    Moves into gaps alone stop above it; no shift passes a microbatch of its own channel."""
+    from hpcpipe.schedules.refine import refine
+
+    cfg = PipelineConfig(microbatches=3)
+    costs = costs_for(cfg, 3)
+    v_half = next(
+        f for f in fixed_points(3, 3, costs) if isinstance(f, Found) and f.how == "fixed: v-half"
+    )
+    assert v_half.makespan == 11.5 and v_half.peak <= 2.5
+    unit = costs(v_half.schedule.num_stages)
+    _, result, _ = refine(v_half.schedule, unit, 2.5, 1500, shifts=False)
+    assert result.makespan > 10.5
+    shifted, result, _ = refine(v_half.schedule, unit, 2.5, 1500)
+    assert result.makespan == 10.5 and result.peak_memory.max() <= 2.5
+    validate(shifted)
+    for row in shifted.actions:  # each channel keeps its microbatch order
+        seen: dict[tuple, int] = {}
+        for a in row:
+            key = (a.kind, a.stage)
+            assert seen.get(key, -1) < a.microbatch
+            seen[key] = a.microbatch
+    found = search(3, 3, costs, 2.5)
+    check(found, cfg, 3, 2.5)
+    assert found.makespan == 10.5 and found.how.startswith("refined ")
