@@ -66,8 +66,8 @@ class ReplanConfig:
     min_gain: float = option(
         0.05,
         "switch only when the new partition's predicted step is at least this fraction "
-        "shorter than the current one's (measured with the same costs); a plan made for a "
-        "slow rank is left for any gain once that slowdown has eased by more than this",
+        "shorter than the current one's (measured with the same costs); a partition made for "
+        "a slow rank is left for any gain once that slowdown has eased by more than this",
         minimum=0.0,
         maximum=0.9,
     )
@@ -240,7 +240,7 @@ class Replanner:
     checks_since_switch: int | None = None
     """None before the first switch (no cooldown yet)."""
     planned_for: tuple[float, ...] = ()
-    """Each rank's slowness when the last switch was made (empty before the first switch)."""
+    """Each rank's slowness when layers last moved (empty before the first such switch)."""
     _descent_key: tuple[Any, ...] | None = None
     _descent: tuple[range, ...] = ()
     rows: int = 0
@@ -394,12 +394,14 @@ class Replanner:
         """Whether to switch to `proposal` now (and remember it when so).
 
         A switch needs a predicted gain of `min_gain`: the hysteresis that keeps noise in the
-        measured costs from moving layers. A plan a switch made for a slow rank is left for any
-        predicted gain once that slowdown has eased by more than `min_gain` (the slowest rank's
-        slowness, relative to the fastest, has dropped by more than that fraction since): a
-        slowdown that ends is evidence, not noise, and the plan made for it would otherwise
-        stay up to `min_gain` slower than the balanced one. Only an easing counts, so a plan
-        made for equal ranks never switches on a smaller gain."""
+        measured costs from moving layers. A partition a switch made for a slow rank is left
+        for any predicted gain once that slowdown has eased by more than `min_gain` (the
+        slowest rank's slowness, relative to the fastest, has dropped by more than that
+        fraction since the layers last moved): a slowdown that ends is evidence, not noise,
+        and the partition made for it would otherwise stay up to `min_gain` slower than the
+        balanced one. Only an easing after a move of layers counts, so noise in the window of
+        a switch of schedule alone, or around a partition made for equal ranks, never makes
+        a plan switch on a smaller gain."""
         if self.checks_since_switch is not None:
             self.checks_since_switch += 1
             if self.checks_since_switch <= self.config.cooldown:
@@ -409,7 +411,8 @@ class Replanner:
         if proposal.gain < self.config.min_gain and not self._slowdown_eased(proposal.slowness):
             return False
         self.checks_since_switch = 0
-        self.planned_for = proposal.slowness
+        if proposal.ranges != proposal.current:  # layers moved: for these speeds
+            self.planned_for = proposal.slowness
         return True
 
     def _slowdown_eased(self, slowness: Sequence[float]) -> bool:

@@ -283,6 +283,18 @@ def test_a_plan_made_for_a_slowdown_is_left_when_the_slowdown_ends():
     assert not planner.decide(proposal(0.03, (2.0, 1.0)))
 
 
+def test_a_switch_of_schedule_alone_sets_no_slowdown_to_ease():
+    """A schedule-only switch (replan.search, the same layers) measured in a noisy window
+    must not let the next window's noise switch again below min_gain."""
+    same = (range(0, 4), range(4, 8))
+    schedule_only = Proposal(same, same, (1.0, 1.08), 1.0, 0.9, build_schedule("zb-h1", 2, 4))
+    planner = Replanner(ReplanConfig(min_gain=0.05, cooldown=0), build_schedule("1f1b", 2, 4), [])
+    assert planner.decide(schedule_only)
+    assert planner.planned_for == ()
+    again = Proposal(same, same, (1.0, 1.0), 1.0, 0.98, build_schedule("zb-h2", 2, 4))
+    assert not planner.decide(again)
+
+
 def test_action_costs_are_per_action_medians():
     schedule = build_schedule("1f1b", 2, 4)
     window = [{("F", 0): 4.0, ("BW", 0): 8.0}, {("F", 0): 8.0, ("BW", 0): 8.0}, {("F", 0): 6.0}]
