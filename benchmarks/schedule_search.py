@@ -55,8 +55,10 @@ def one_case(p: int, m: int, kind: str) -> dict[str, int]:
         found = search(p, m, costs, budget, fixed=fixed)
         fits = [f.makespan for f in fixed if f.peak <= budget * (1 + 1e-9)]
         best_fixed = min(fits) if fits else np.inf
+        reached = min(best_fixed, found.makespan)
         bound = min(
-            lower_bound(pl, m, costs(sum(map(len, pl))), budget).makespan for pl in _placements(p)
+            lower_bound(pl, m, costs(sum(map(len, pl))), budget, target=reached).makespan
+            for pl in _placements(p)
         )
         counts["budgets"] += 1
         counts["behind"] += int(found.makespan > best_fixed * (1 + 1e-9))

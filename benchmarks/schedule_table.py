@@ -52,7 +52,8 @@ def cell(name: str, p: int, m: int) -> tuple[str, float | None, float | None]:
     costs = unit_costs(p)(sched.num_stages)
     result = simulate(sched, costs)
     peak = float(result.peak_memory.max())
-    gap = lower_bound(sched.stages_of_rank, m, costs, peak).gap(result.makespan)
+    bound = lower_bound(sched.stages_of_rank, m, costs, peak, target=result.makespan)
+    gap = bound.gap(result.makespan)
     gap_text = "at bound" if gap <= 1e-9 else f"+{100 * gap:.1f}%"
     return f"{result.makespan:g} / {peak:g} / {gap_text}", result.makespan, peak
 

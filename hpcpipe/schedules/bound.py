@@ -21,12 +21,18 @@ For each rank r (costs per stage; F of stage s allocates `activation[s]`, held u
   total never exceeds the budget, so m x that activation-time on the rank is at most budget x
   makespan (what binds when the budget holds only a few microbatches).
 
+- **one rank alone** (rankbound.py): where the budget binds, the fill, the drain and every
+  round trip in between interact; the rank's own actions are ordered exactly, with the other
+  ranks never in its way (their actions take their time but never wait), most binding rank
+  first, within `max_states` of search in all. This is what proves V-Half and V-Min optimal
+  at their budgets for small p, where the terms above each fall short.
+
 It holds for schedules run action by action; overlapped F&B pairs hide part of each half's
 communication (`simulate.durations`), which these terms charge in full.
 
-The bound is max over ranks of head + work + idle and of the memory x time term, and of the
-critical path of one microbatch plus m-1 passes through the slowest stage (the last of its
-m forwards or backwards starts no earlier).
+The bound is max over ranks of head + work + idle, of the memory x time term and of the rank
+alone, and of the critical path of one microbatch plus m-1 passes through the slowest stage
+(the last of its m forwards or backwards starts no earlier).
 It is exact for schedules with no gap inside any rank's span when only the head is forced
 (ZB-V and ZB-H2 with F = B = W, the papers' "zero bubble"), and for memory-bound warm-ups it
 charges exactly the forwards the budget cannot hold.
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcpipe.schedules.rankbound import rank_actions, relaxed_makespan
 from hpcpipe.schedules.simulate import CostModel
 
 __all__ = ["LowerBound", "lower_bound"]
@@ -83,10 +90,16 @@ def lower_bound(
     m: int,
     costs: CostModel,
     budget: float | None = None,
+    *,
+    target: float | None = None,
+    max_states: int = 30_000,
 ) -> LowerBound:
     """The lower bound for m microbatches on this placement (module docstring).
 
     `budget`: per-rank activation memory in the units of `costs.activation` (None: unlimited).
+    `target`: a makespan some schedule of this placement reaches within the budget, if known:
+    the bound never exceeds it, so the search for one rank alone stops proving there.
+    `max_states`: how many states the searches for ranks alone may take in all (0: none).
     """
     num_stages = sum(len(row) for row in stages_of_rank)
     arr = costs.stage_arrays(num_stages)
@@ -118,6 +131,7 @@ def lower_bound(
         "one microbatch's critical path"
         + (f" after {m - 1} others through the slowest stage" if m > 1 else ""),
     )
+    totals: list[tuple[float, int]] = []  # (the terms' total, rank) where memory binds
     for r, row in enumerate(stages_of_rank):
         row = list(row)
         work = float(m * (t_f[row] + t_bwd[row]).sum())
@@ -141,6 +155,8 @@ def lower_bound(
         forced = cap < m * held
         idle = fill + drain if forced else max(fill, drain)
         total = head + work + idle
+        if forced:
+            totals.append((total, r))
         if total > best.makespan:
             parts = [f"rank {r}: work {work:g} after its first input at {head:g}"]
             if fill > 0:
@@ -158,4 +174,23 @@ def lower_bound(
                     f"{held_time * cap / m:g} (activation x time) each, within a budget of {cap:g}"
                 )
                 best = LowerBound(held_time, r, head, work, held_time - head - work, why)
+    goal = np.inf if target is None else float(target)
+    stage_costs = {"t_f": t_f, "t_b": t_b_min, "t_bwd": t_bwd, "activation": act}
+    left = max_states
+    for _, r in sorted(totals, reverse=True):  # the likeliest to bind first
+        if left <= 0 or best.makespan >= goal - 1e-9:
+            break
+        row = list(stages_of_rank[r])
+        kinds = rank_actions(row, f_start, b_start, critical, stage_costs, costs.b_frees)
+        alone = relaxed_makespan(kinds, m, cap, target=goal, max_states=left)
+        left -= alone.states
+        if best.makespan + 1e-9 < alone.makespan < np.inf:  # inf: nothing fits the budget
+            head = float(f_start[row].min())
+            work = float(m * (t_f[row] + t_bwd[row]).sum())
+            how = "exactly" if alone.exact else f"bounded after {alone.states} states"
+            why = (
+                f"rank {r} alone, the other ranks never in its way: its fastest order within "
+                f"the budget of {cap:g} ({how})"
+            )
+            best = LowerBound(alone.makespan, r, head, work, alone.makespan - head - work, why)
     return best

@@ -174,7 +174,7 @@ def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
         if item.pairs.size:  # overlapped halves hide communication the bound charges
             bound_text, gap = "-", "-"
         else:
-            bound = _bound(cfg, pp, item.stages_of_rank, peak)
+            bound = _bound(cfg, pp, item.stages_of_rank, peak, result.makespan)
             bound_text, gap = f"{bound.makespan:.6g}", _gap(bound, result.makespan)
         lines.append(
             f"{mark}{name:<16} {v:>2} {result.makespan:>10.6g} "
@@ -194,10 +194,17 @@ def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
 
 
 def _bound(
-    cfg: PipelineConfig, pp: int, placement: tuple[tuple[int, ...], ...], peak: float
+    cfg: PipelineConfig,
+    pp: int,
+    placement: tuple[tuple[int, ...], ...],
+    peak: float,
+    reached: float,
 ) -> LowerBound:
+    """The bound within `peak`; `reached`: a makespan a schedule reaches there (the bound's
+    search for one rank alone stops proving at it)."""
     stages = sum(len(row) for row in placement)
-    return lower_bound(placement, cfg.microbatches, cost_model(cfg, pp, stages), peak)
+    costs = cost_model(cfg, pp, stages)
+    return lower_bound(placement, cfg.microbatches, costs, peak, target=reached)
 
 
 def _gap(bound: LowerBound, makespan: float) -> str:
@@ -216,9 +223,9 @@ def _placements(cfg: PipelineConfig, pp: int) -> list[tuple[tuple[int, ...], ...
     ]
 
 
-def _front_bound(cfg: PipelineConfig, pp: int, peak: float) -> LowerBound:
+def _front_bound(cfg: PipelineConfig, pp: int, peak: float, reached: float) -> LowerBound:
     """The least bound over every placement: nothing within `peak` memory is faster."""
-    bounds = [_bound(cfg, pp, placement, peak) for placement in _placements(cfg, pp)]
+    bounds = [_bound(cfg, pp, placement, peak, reached) for placement in _placements(cfg, pp)]
     return min(bounds, key=lambda b: b.makespan)
 
 
@@ -255,7 +262,7 @@ def _pareto(
             float(chosen.peak_memory.max()),
         )
         marked |= same
-        bound = _front_bound(cfg, pp, f.peak)
+        bound = _front_bound(cfg, pp, f.peak, f.makespan)
         gap = _gap(bound, f.makespan)
         lines.append(
             f"{'>' if same else ' '}{f.peak:>8.4g} {f.makespan:>10.6g} {bound.makespan:>8.6g} "

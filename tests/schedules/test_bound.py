@@ -96,6 +96,11 @@ def test_the_budget_forces_idle_and_says_so():
     assert tight.makespan == pytest.approx(26.5)
     assert tight.rank == 3 and "idle before the first backward (budget)" in tight.why
     # one microbatch at a time: its activations' lifetime, m times, bounds the step
-    single = lower_bound(placement, 8, costs, 1.0)
+    single = lower_bound(placement, 8, costs, 1.0, max_states=0)
     assert single.makespan == pytest.approx(40.0)
     assert "activation x time" in single.why
+    # the turning rank alone must also pay a round trip per microbatch: 50.5, which the
+    # search reaches (an exact solver given 60 s finds nothing faster for rank 3 alone)
+    alone = lower_bound(placement, 8, costs, 1.0)
+    assert alone.makespan == pytest.approx(50.5)
+    assert alone.rank == 3 and "alone" in alone.why and "exactly" in alone.why

@@ -1,0 +1,158 @@
+"""One rank alone (hpcpipe.schedules.rankbound): the search finds the fastest order, checked
+against trying every order of every microbatch by brute force; the bound it gives proves the
+fixed V schedules optimal where an exact solver found them optimal; cut short it stays a
+bound."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpcpipe.schedules import build_schedule, simulate
+from hpcpipe.schedules.bound import lower_bound
+from hpcpipe.schedules.listsched import unit_costs
+from hpcpipe.schedules.rankbound import (
+    RankActions,
+    rank_actions,
+    relaxed_makespan,
+)
+
+
+def brute_force(kinds: RankActions, m: int, budget: float) -> float:
+    """Every order of every (kind, microbatch), each action as early as it can start: the
+    microbatches keep their identities here (no in-order assumption), and the k-th first
+    forward in time gets the k-th release."""
+    n = len(kinds.duration)
+    best = math.inf
+
+    def go(ends: dict, free: float, span: float, used: float, firsts: int) -> None:
+        nonlocal best
+        if len(ends) == n * m:
+            best = min(best, span)
+            return
+        for k in range(n):
+            for mb in range(m):
+                if (k, mb) in ends:
+                    continue
+                if k == 0:
+                    ready = kinds.release + firsts * kinds.release_step
+                elif (kinds.pred[k], mb) in ends:
+                    ready = ends[kinds.pred[k], mb] + kinds.lag[k]
+                else:
+                    continue
+                if kinds.memory[k] > 0 and used + kinds.memory[k] > budget + 1e-9:
+                    continue
+                end = max(free, ready) + kinds.duration[k]
+                ends[k, mb] = end
+                go(ends, end, max(span, end + kinds.tail[k]), used + kinds.memory[k],
+                   firsts + (k == 0))  # fmt: skip
+                del ends[k, mb]
+                if k == 0:
+                    break  # first forwards of microbatches not yet started are alike
+
+    go({}, 0.0, 0.0, 0.0, 0)
+    return best
+
+
+def kinds_of(row, costs, num_stages) -> RankActions:
+    """The rank's kinds under `costs`, with the same timing lower_bound uses."""
+    arr = costs.stage_arrays(num_stages)
+    t_bwd = np.minimum(arr["t_b"] + arr["t_w"], arr["t_bw"])
+    t_b = np.minimum(arr["t_b"], arr["t_bw"])
+    f_start = np.concatenate(([0.0], np.cumsum(arr["t_f"][:-1] + costs.comm_time)))
+    b_start = np.empty(num_stages)
+    b_start[-1] = f_start[-1] + arr["t_f"][-1]
+    for s in range(num_stages - 2, -1, -1):
+        b_start[s] = b_start[s + 1] + t_b[s + 1] + costs.comm_time
+    critical = float(b_start[0] + t_bwd[0])
+    stage_costs = {"t_f": arr["t_f"], "t_b": t_b, "t_bwd": t_bwd, "activation": arr["activation"]}
+    return rank_actions(row, f_start, b_start, critical, stage_costs, costs.b_frees)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p=st.integers(2, 4),
+    m=st.integers(1, 3),
+    v_shape=st.booleans(),
+    t_f=st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0]), min_size=8, max_size=8),
+    t_b=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=8, max_size=8),
+    t_w=st.sampled_from([0.0, 0.5, 1.0]),
+    comm=st.sampled_from([0.0, 0.25]),
+    b_frees=st.sampled_from([0.0, 0.5]),
+    budget_units=st.integers(1, 6),
+    data=st.data(),
+)
+def test_the_search_finds_what_trying_every_order_finds(
+    p, m, v_shape, t_f, t_b, t_w, comm, b_frees, budget_units, data
+):
+    from hpcpipe.schedules import CostModel
+
+    stages = 2 * p if v_shape else p
+    if v_shape and m > 2:
+        m = 2  # 12 actions: every order of them is still quick to try
+    costs = CostModel(
+        t_f=t_f[:stages], t_b=t_b[:stages], t_w=t_w, comm_latency=comm, b_frees=b_frees
+    )
+    r = data.draw(st.integers(0, p - 1))
+    row = (r, 2 * p - 1 - r) if v_shape else (r,)
+    budget = max(budget_units * 0.5, float(len(row)))  # one microbatch always fits
+    kinds = kinds_of(row, costs, stages)
+    exact = brute_force(kinds, m, budget)
+    found = relaxed_makespan(kinds, m, budget)
+    assert found.exact
+    assert found.makespan == pytest.approx(exact)
+    capped = relaxed_makespan(kinds, m, budget, target=exact - 0.25)
+    assert capped.makespan == pytest.approx(exact - 0.25)  # never above the target
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "budget", "optimum"),
+    [
+        # optima over every order on every placement (CP-SAT, benchmarks/schedule_exact.py)
+        ("v-half", 3, 3, 2.0, 11.5),
+        ("v-half", 3, 6, 2.0, 20.5),
+        ("v-min", 4, 4, 2.0, 17.5),
+        ("v-min", 4, 8, 2.0, 29.5),
+    ],
+)
+def test_the_turning_rank_alone_proves_the_v_schedules_optimal(name, p, m, budget, optimum):
+    sched = build_schedule(name, p, m)
+    costs = unit_costs(p)(sched.num_stages)
+    result = simulate(sched, costs)
+    assert result.makespan == pytest.approx(optimum)
+    assert float(result.peak_memory.max()) <= budget
+    analytic = lower_bound(sched.stages_of_rank, m, costs, budget, max_states=0)
+    assert analytic.makespan < optimum  # the terms added on their own fall short
+    bound = lower_bound(sched.stages_of_rank, m, costs, budget)
+    assert bound.makespan == pytest.approx(optimum)
+    assert bound.rank == p - 1 and "alone" in bound.why and "exactly" in bound.why
+
+
+def test_cut_short_it_is_still_a_bound_and_says_so():
+    p, m, budget = 5, 20, 3.0
+    sched = build_schedule("v-half", p, m)
+    costs = unit_costs(p)(sched.num_stages)
+    span = simulate(sched, costs).makespan
+    full = lower_bound(sched.stages_of_rank, m, costs, budget)
+    cut = lower_bound(sched.stages_of_rank, m, costs, budget, max_states=300)
+    analytic = lower_bound(sched.stages_of_rank, m, costs, budget, max_states=0)
+    assert analytic.makespan <= cut.makespan <= full.makespan <= span + 1e-9
+    kinds = kinds_of(sched.stages_of_rank[p - 1], costs, sched.num_stages)
+    partial = relaxed_makespan(kinds, m, budget, max_states=300)
+    assert not partial.exact and partial.states > 300
+    assert partial.makespan <= relaxed_makespan(kinds, m, budget).makespan + 1e-9
+
+
+def test_a_target_stops_the_proof_there():
+    p, m, budget = 4, 8, 2.0
+    sched = build_schedule("v-min", p, m)
+    costs = unit_costs(p)(sched.num_stages)
+    capped = lower_bound(sched.stages_of_rank, m, costs, budget, target=29.0)
+    assert capped.makespan == pytest.approx(29.0)
+    assert lower_bound(sched.stages_of_rank, m, costs, budget, target=40.0).makespan == (
+        pytest.approx(29.5)
+    )
