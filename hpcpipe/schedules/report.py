@@ -186,9 +186,9 @@ def _compare(cfg: PipelineConfig, pp: int, chosen: Schedule) -> str:
         "bubble: idle share of all ranks within the makespan; stage bubble: worst rank's idle "
         "share inside its own span (the papers' measure); bound: no schedule on the same "
         "placement within the same peak memory is faster (work per rank plus the fill and "
-        "drain the memory forces; - for overlapped pairs, whose hidden communication it does "
-        "not model); gap: makespan above the bound; published: F, B, W = one "
-        "full stage"
+        "drain the memory forces, or a rank's fastest order alone within it; - for "
+        "overlapped pairs, whose hidden communication it does not model); gap: makespan "
+        "above the bound; published: F, B, W = one full stage"
     )
     return "\n".join(lines)
 
