@@ -242,7 +242,8 @@ def test_plan_report_pareto(tmp_path):
     # the front with the bound: at the deck's budget the search is at it (optimal)
     assert ">       3       26.5     26.5      0  greedy: V placement" in text
     assert "(at the bound)" in text
-    assert "        2       29.5     28.5   3.5%  fixed: v-min" in text
+    # at V-Min's budget the turning rank alone proves V-Min optimal
+    assert "        2       29.5     29.5      0  fixed: v-min (at the bound)" in text
     assert " v-half            2         3       26.5       26.5    0.0%" in text
     # --compare: every schedule's gap to the bound of its placement and peak
     assert " zb-v              2       25.5    5.9%      0.0%         4     25.5      0" in text
