@@ -92,7 +92,7 @@ def lower_bound(
     budget: float | None = None,
     *,
     target: float | None = None,
-    max_states: int = 30_000,
+    max_states: int = 100_000,
 ) -> LowerBound:
     """The lower bound for m microbatches on this placement (module docstring).
 
