@@ -16,10 +16,10 @@ taken in microbatch order (relabel the later actions of two microbatches that pa
 other). A state is then how many of each kind are done, when the rank is free, the makespan
 so far and when each started microbatch's next action may begin; every action starts as early
 as it can (a left-shifted schedule is as fast). The search runs layer by layer, one action per
-layer, and keeps only the states no other state with the same counts dominates, nor any that
-cannot finish below `target`. Past `max_states` it stops and returns the least lower bound of
-the layer it reached: every order passes through that layer, so the figure is still a bound,
-only a looser one.
+layer, and drops a state that an earlier-free state with the same counts dominates (checked
+against a few, `_undominated`) and any that cannot finish below `target`. Past `max_states`
+it stops and returns the least lower bound of the layer it reached: every order passes
+through that layer, so the figure is still a bound, only a looser one.
 """
 
 from __future__ import annotations
