@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcpipe.schedules.rankbound import rank_actions, relaxed_makespan
+from hpcpipe.schedules.rankbound import RankActions, rank_actions, relaxed_makespan
 from hpcpipe.schedules.simulate import CostModel
 
-__all__ = ["LowerBound", "lower_bound"]
+__all__ = ["LowerBound", "lower_bound", "rank_alone"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,63 @@ def _knapsack(limit: float, items: list[tuple[float, float]]) -> float:
     return got
 
 
+@dataclass(frozen=True, eq=False)
+class _Path:
+    """Per-stage costs (a B alone at most a fused BW; B + W, or BW if cheaper) and one
+    microbatch alone on this placement: the earliest start of F and of B on each stage and
+    the end of its critical path."""
+
+    stages_of_rank: tuple[tuple[int, ...], ...]
+    t_f: np.ndarray
+    t_b: np.ndarray
+    t_w: np.ndarray
+    t_bwd: np.ndarray
+    activation: np.ndarray
+    rank_of: np.ndarray
+    f_start: np.ndarray
+    b_start: np.ndarray
+    critical: float
+
+    def rank_actions(self, r: int, b_frees: float) -> RankActions:
+        """Rank r's kinds of action for the search of the rank alone."""
+        per_stage = {
+            "t_f": self.t_f,
+            "t_b": self.t_b,
+            "t_bwd": self.t_bwd,
+            "activation": self.activation,
+        }
+        row = self.stages_of_rank[r]
+        return rank_actions(row, self.f_start, self.b_start, self.critical, per_stage, b_frees)
+
+
+def _one_microbatch(stages_of_rank: Sequence[Sequence[int]], costs: CostModel) -> _Path:
+    num_stages = sum(len(row) for row in stages_of_rank)
+    arr = costs.stage_arrays(num_stages)
+    t_f, t_b, t_w = arr["t_f"], arr["t_b"], arr["t_w"]
+    t_bwd = np.minimum(t_b + t_w, arr["t_bw"])
+    t_b_min = np.minimum(t_b, arr["t_bw"])
+    rank_of = np.empty(num_stages, dtype=np.int64)
+    for r, row in enumerate(stages_of_rank):
+        rank_of[list(row)] = r
+    hop = np.where(rank_of[1:] != rank_of[:-1], costs.comm_time, 0.0)  # stage s -> s+1
+    f_start = np.concatenate(([0.0], np.cumsum(t_f[:-1] + hop)))
+    b_start = np.empty(num_stages)
+    b_start[-1] = f_start[-1] + t_f[-1]  # the loss
+    for s in range(num_stages - 2, -1, -1):
+        b_start[s] = b_start[s + 1] + t_b_min[s + 1] + hop[s]
+    rows = tuple(tuple(row) for row in stages_of_rank)
+    critical = float(b_start[0] + t_bwd[0])
+    return _Path(
+        rows, t_f, t_b_min, t_w, t_bwd, arr["activation"], rank_of, f_start, b_start, critical
+    )
+
+
+def rank_alone(stages_of_rank: Sequence[Sequence[int]], r: int, costs: CostModel) -> RankActions:
+    """Rank r's actions on this placement, as `lower_bound` hands them to
+    `rankbound.relaxed_makespan` (for tests and for studying one rank)."""
+    return _one_microbatch(stages_of_rank, costs).rank_actions(r, costs.b_frees)
+
+
 def lower_bound(
     stages_of_rank: Sequence[Sequence[int]],
     m: int,
@@ -101,23 +158,9 @@ def lower_bound(
     the bound never exceeds it, so the search for one rank alone stops proving there.
     `max_states`: how many states the searches for ranks alone may take in all (0: none).
     """
-    num_stages = sum(len(row) for row in stages_of_rank)
-    arr = costs.stage_arrays(num_stages)
-    t_f, t_b, t_w, act = arr["t_f"], arr["t_b"], arr["t_w"], arr["activation"]
-    t_bwd = np.minimum(t_b + t_w, arr["t_bw"])
-    t_b_min = np.minimum(t_b, arr["t_bw"])
-    rank_of = np.empty(num_stages, dtype=np.int64)
-    for r, row in enumerate(stages_of_rank):
-        rank_of[list(row)] = r
-    hop = np.where(rank_of[1:] != rank_of[:-1], costs.comm_time, 0.0)  # stage s -> s+1
-    # earliest start of F on each stage, and of B on each stage (one microbatch alone)
-    f_start = np.concatenate(([0.0], np.cumsum(t_f[:-1] + hop)))
-    loss_end = f_start[-1] + t_f[-1]
-    b_start = np.empty(num_stages)
-    b_start[-1] = loss_end
-    for s in range(num_stages - 2, -1, -1):
-        b_start[s] = b_start[s + 1] + t_b_min[s + 1] + hop[s]
-    critical = float(b_start[0] + t_bwd[0])
+    path = _one_microbatch(stages_of_rank, costs)
+    t_f, t_b_min, t_w, t_bwd, act = path.t_f, path.t_b, path.t_w, path.t_bwd, path.activation
+    rank_of, f_start, b_start, critical = path.rank_of, path.f_start, path.b_start, path.critical
     cap = np.inf if budget is None else float(budget)
     # the last of a stage's m forwards (backwards) starts (m-1) of them after the first could,
     # and its microbatch still has the rest of the critical path to go
@@ -175,13 +218,12 @@ def lower_bound(
                 )
                 best = LowerBound(held_time, r, head, work, held_time - head - work, why)
     goal = np.inf if target is None else float(target)
-    stage_costs = {"t_f": t_f, "t_b": t_b_min, "t_bwd": t_bwd, "activation": act}
     left = max_states
     for _, r in sorted(totals, reverse=True):  # the likeliest to bind first
         if left <= 0 or best.makespan >= goal - 1e-9:
             break
         row = list(stages_of_rank[r])
-        kinds = rank_actions(row, f_start, b_start, critical, stage_costs, costs.b_frees)
+        kinds = path.rank_actions(r, costs.b_frees)
         alone = relaxed_makespan(kinds, m, cap, target=goal, max_states=left)
         left -= alone.states
         if best.makespan + 1e-9 < alone.makespan < np.inf:  # inf: nothing fits the budget

@@ -125,7 +125,7 @@ def relaxed_makespan(
     budget: float,
     *,
     target: float = np.inf,
-    max_states: int = 50_000,
+    max_states: int = 100_000,
 ) -> Relaxed:
     """The least makespan of the rank alone for m microbatches within `budget` (module
     docstring), or `target` if nothing is faster than that."""

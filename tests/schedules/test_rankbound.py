@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpcpipe.schedules import build_schedule, simulate
-from hpcpipe.schedules.bound import lower_bound
+from hpcpipe.schedules.bound import lower_bound, rank_alone
 from hpcpipe.schedules.listsched import unit_costs
-from hpcpipe.schedules.rankbound import (
-    RankActions,
-    rank_actions,
-    relaxed_makespan,
-)
+from hpcpipe.schedules.rankbound import RankActions, relaxed_makespan
 
 
 def brute_force(kinds: RankActions, m: int, budget: float) -> float:
@@ -58,21 +53,6 @@ def brute_force(kinds: RankActions, m: int, budget: float) -> float:
     return best
 
 
-def kinds_of(row, costs, num_stages) -> RankActions:
-    """The rank's kinds under `costs`, with the same timing lower_bound uses."""
-    arr = costs.stage_arrays(num_stages)
-    t_bwd = np.minimum(arr["t_b"] + arr["t_w"], arr["t_bw"])
-    t_b = np.minimum(arr["t_b"], arr["t_bw"])
-    f_start = np.concatenate(([0.0], np.cumsum(arr["t_f"][:-1] + costs.comm_time)))
-    b_start = np.empty(num_stages)
-    b_start[-1] = f_start[-1] + arr["t_f"][-1]
-    for s in range(num_stages - 2, -1, -1):
-        b_start[s] = b_start[s + 1] + t_b[s + 1] + costs.comm_time
-    critical = float(b_start[0] + t_bwd[0])
-    stage_costs = {"t_f": arr["t_f"], "t_b": t_b, "t_bwd": t_bwd, "activation": arr["activation"]}
-    return rank_actions(row, f_start, b_start, critical, stage_costs, costs.b_frees)
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     p=st.integers(2, 4),
@@ -98,9 +78,9 @@ def test_the_search_finds_what_trying_every_order_finds(
         t_f=t_f[:stages], t_b=t_b[:stages], t_w=t_w, comm_latency=comm, b_frees=b_frees
     )
     r = data.draw(st.integers(0, p - 1))
-    row = (r, 2 * p - 1 - r) if v_shape else (r,)
-    budget = max(budget_units * 0.5, float(len(row)))  # one microbatch always fits
-    kinds = kinds_of(row, costs, stages)
+    placement = [(q, 2 * p - 1 - q) if v_shape else (q,) for q in range(p)]
+    budget = max(budget_units * 0.5, float(len(placement[r])))  # one microbatch always fits
+    kinds = rank_alone(placement, r, costs)
     exact = brute_force(kinds, m, budget)
     found = relaxed_makespan(kinds, m, budget)
     assert found.exact
@@ -141,7 +121,7 @@ def test_cut_short_it_is_still_a_bound_and_says_so():
     cut = lower_bound(sched.stages_of_rank, m, costs, budget, max_states=300)
     analytic = lower_bound(sched.stages_of_rank, m, costs, budget, max_states=0)
     assert analytic.makespan <= cut.makespan <= full.makespan <= span + 1e-9
-    kinds = kinds_of(sched.stages_of_rank[p - 1], costs, sched.num_stages)
+    kinds = rank_alone(sched.stages_of_rank, p - 1, costs)
     partial = relaxed_makespan(kinds, m, budget, max_states=300)
     assert not partial.exact and partial.states > 300
     assert partial.makespan <= relaxed_makespan(kinds, m, budget).makespan + 1e-9
