@@ -14,33 +14,56 @@ What makes these loops fast, each found by measurement:
   (`inline="always"`), so no loop branches on the scheme per element.
 - The fix-up: in Kripke's problem a quarter of the cells have a negative outgoing face
   somewhere (and a third of those cells' elements). With the fix-up on, a cell is solved in
-  one pass that writes its outgoing faces, keeps the incoming ones in a scratch row and counts
-  the negative outgoing ones (an integer count vectorises, a float min does not): a clean cell
-  is then done, as fast as without the fix-up but for three stores per element (one pass
-  instead of a solve pass and a write pass took the fix-up from 1.73x to 1.58x the kernel
-  without it). A cell with a negative face runs the first fix-up round on all its elements at
-  once, branch-free, from the kept incoming faces, keeping the plain values where no face was
-  negative; the rare cells with an element still negative after that round run all three
-  rounds (`_fixup_rounds`), which give what kernel._fixup's early exit gives. That round, a
-  second division and a dozen selects per element over a quarter of the cells, is the rest of
-  the fix-up's cost (the keep pass alone costs 2%). Nothing in the loops calls a function: a
-  call, even one never made, slows down the loops around it.
+  one pass that writes its outgoing faces, keeps the incoming ones in a scratch row and ORs
+  the outgoing faces' bits (`_bits`), negative exactly when some face had its sign bit set: a
+  clean cell is then done, as fast as without the fix-up but for three stores and three ORs
+  per element (one pass instead of a solve pass and a write pass took the fix-up from 1.73x to
+  1.58x the kernel without it; an OR of the bits instead of counting the negative faces, which
+  compares, widens and adds, from 1.58x to 1.49x). A cell with a negative face runs the first
+  fix-up round on all its elements at once, branch-free, from the kept incoming faces, keeping
+  the plain values where no face was negative; the rare cells with an element still negative
+  after that round run all three rounds (`_fixup_rounds`), which give what kernel._fixup's
+  early exit gives. That round, a second division and a dozen selects per element over a
+  quarter of the cells, is the rest of the fix-up's cost (the keep pass alone costs 7%; a
+  round that only re-solves the cell, one division and no selects, would already cost 25%).
+  Nothing in the loops calls a function: a call, even one never made, slows down the loops
+  around it.
 - What did not pay, measured on Kripke's problem: a cell that needs the fix-up has a third of
   its directions negative (all groups of such a direction, no fixed subset of directions), so
   fixing only chunks holding a negative element would do half the work; but a loop shorter
   than LLVM's unrolled vector body (16 elements here) runs scalar, a chunk bounded with min()
   is not vectorised at all, and per-element flags stored by the solve pass cost it 10-25%.
-  Chunked fix-ups (8, 16 or 40 elements) took the fix-up from 1.55x to 1.67-2.08x.
+  Chunked fix-ups (8, 16 or 40 elements) took the fix-up from 1.55x to 1.67-2.08x; a cell
+  loop over directions with a constant 8-group inner loop is unrolled into scalar code (LLVM
+  cannot prove the face rows apart, so it packs nothing): 2.3x. Predicting the cells to fix
+  from the previous iteration (80% right) and solving those in one fused solve-and-fix pass
+  slowed every other cell as well, the walk grown by one more inlined pass: 2.0x.
+- Float min, which would test for a negative face in one instruction, does not vectorise.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 __all__ = ["sweep_block_loops"]
 
 _JIT = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
+
+
+@intrinsic
+def _bits(typingctx, x):  # pragma: no cover (JIT)
+    """A float64's bits as an int64, so that OR-ing them keeps any sign bit: the OR is < 0 iff
+    some value had its sign set (a -0.0 too, which then costs a fix-up round that changes
+    nothing: the rounds fix only faces < 0)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(types.float64), codegen
+
 
 # Cell functions share one signature: the expanded coefficients (A*G each), the cell's expanded
 # source and cross section (A*G), the flat face arrays (rows, A*G) with the cell's rows, and the
@@ -75,7 +98,7 @@ def _dd(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no
 @njit(**_JIT, inline="always")
 def _dd_keep(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
     """Diamond difference writing the outgoing faces, the incoming ones kept in `inc`: psi,
-    and how many outgoing faces are < 0 (a cell with one goes to `_dd_fixup`)."""
+    and whether an outgoing face has its sign bit set (such a cell goes to `_dd_fixup`)."""
     neg = 0
     for e in range(psi.size):
         ix, iy, iz = fx[rx, e], fy[ry, e], fz[rz, e]
@@ -89,8 +112,8 @@ def _dd_keep(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragm
         fx[rx, e] = ox
         fy[ry, e] = oy
         fz[rz, e] = oz
-        neg += (ox < 0.0) + (oy < 0.0) + (oz < 0.0)
-    return neg
+        neg |= _bits(ox) | _bits(oy) | _bits(oz)
+    return neg < 0
 
 
 @njit(**_JIT, inline="always")
@@ -109,12 +132,12 @@ def _dd_fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # prag
         fx1 = fx1 if bad else ox
         fy1 = fy1 if bad else oy
         fz1 = fz1 if bad else oz
-        still += (fx1 < 0.0) + (fy1 < 0.0) + (fz1 < 0.0)
+        still |= _bits(fx1) | _bits(fy1) | _bits(fz1)
         psi[e] = cell if bad else p
         fx[rx, e] = fx1
         fy[ry, e] = fy1
         fz[rz, e] = fz1
-    if still:  # rare: fixing one face made another one negative
+    if still < 0:  # rare: fixing one face made another one negative
         _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
 
 
@@ -181,7 +204,7 @@ def _walk(
     phi, fx3, fy3, fz3,
 ):  # fmt: skip  # pragma: no cover (JIT)
     """The cells of x layers [i0, i1) (counted upwind) of the block in upwind loop order:
-    `solve` each; one with a negative face (a count > 0 returned) goes to `fixup`, the others
+    `solve` each; one with a negative face (`solve` returned true) goes to `fixup`, the others
     to `finish`; then phi += w @ psi, each group's terms added in direction order."""
     n_a, n_g = fx3.shape[1], fx3.shape[2]
     n_e = n_a * n_g
