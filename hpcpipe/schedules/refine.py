@@ -30,7 +30,7 @@ from hpcpipe.schedules.errors import ScheduleError
 from hpcpipe.schedules.ir import Schedule
 from hpcpipe.schedules.simulate import CostModel, SimResult, simulate
 
-__all__ = ["refine"]
+__all__ = ["refine", "shift_pass_evals"]
 
 _REL = 1e-9
 _LOOK = 12  # later actions of the rank tried per gap
@@ -61,6 +61,11 @@ def _moved(sched: Schedule, frm: int, to: int) -> Schedule:
     )
 
 
+def shift_pass_evals(actions: int) -> int:
+    """Simulations one full shift pass over a schedule of that many actions may take."""
+    return 2 * _SHIFT * actions
+
+
 def refine(
     schedule: Schedule,
     costs: CostModel,
@@ -73,7 +78,7 @@ def refine(
     where a full pass fits `max_evals`) by shifts; returns the best schedule found, its
     simulation and the number of simulations spent."""
     state = _State(schedule, costs, budget, max_evals)
-    shifts = shifts and schedule.kinds.size * 2 * _SHIFT <= max_evals
+    shifts = shifts and shift_pass_evals(schedule.kinds.size) <= max_evals
     while state.evals < max_evals and _gap_move(state):
         pass
     while shifts and state.evals < max_evals and _shift(state):
