@@ -37,8 +37,8 @@ What makes these loops fast, each found by measurement:
   loop over directions with a constant 8-group inner loop is unrolled into scalar code (LLVM
   cannot prove the face rows apart, so it packs nothing): 2.3x. Predicting the cells to fix
   from the previous iteration (80% right) and solving those in one fused solve-and-fix pass
-  slowed every other cell as well, the walk grown by one more inlined pass: 2.0x.
-- Float min, which would test for a negative face in one instruction, does not vectorise.
+  slowed every other cell as well, the walk grown by one more inlined pass: 2.0x. A float
+  min of the faces, one test instead of three, does not vectorise (1.58x became 2.3x).
 """
 
 from __future__ import annotations
