@@ -1,7 +1,7 @@
 """Figure: the schedule search against every fixed schedule and the lower bound, and its cost.
 
-    python benchmarks/schedule_search.py                    # p = 2..5 (about 5 minutes)
-    python benchmarks/schedule_search.py --p 6 8 --skip-scale   # more ranks (an hour)
+    python benchmarks/schedule_search.py                    # p = 2..5
+    python benchmarks/schedule_search.py --p 6 8 --skip-scale --jobs 2   # more ranks
 
 For each p, m in {p, 2p, 4p, 8p} and memory budget from the least that fits to 2p in steps
 of 0.5, under three cost models (unit; a heavy first and last stage: embedding and loss at
@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from _common import RESULTS, ROOT, machine_facts
@@ -45,7 +46,9 @@ def _placements(p: int) -> list[list[tuple[int, ...]]]:
     return [[(r,) for r in range(p)], [(r, 2 * p - 1 - r) for r in range(p)]]
 
 
-def one_case(p: int, m: int, kind: str) -> dict[str, int]:
+def one_case(p: int, m: int, kind: str) -> dict[str, float]:
+    """Every budget of one (p, m, costs): the counts, and the CPU seconds they took."""
+    t0 = time.process_time()
     cfg = deck(kind, p, m)
     costs = costs_for(cfg, p)
     fixed = [f for f in fixed_points(p, m, costs) if isinstance(f, Found)]
@@ -67,7 +70,7 @@ def one_case(p: int, m: int, kind: str) -> dict[str, int]:
         counts["beaten"] += int(above and found.makespan < best_fixed * (1 - 1e-9))
         counts["at_bound"] += int(found.makespan <= bound * (1 + 1e-9))
         budget += 0.5
-    return counts
+    return {**counts, "cpu_s": time.process_time() - t0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p", type=int, nargs="+", default=[2, 3, 4, 5], help="ranks")
     ap.add_argument("--costs", nargs="+", default=["unit", "heavy-ends", "moe"])
     ap.add_argument("--skip-scale", action="store_true", help="no p=64, m=256 timing")
+    ap.add_argument("--jobs", type=int, default=1, help="processes for the matrix (default 1)")
     ap.add_argument("--json", default=str(RESULTS / "schedule_search.json"), metavar="PATH")
     args = ap.parse_args(argv)
     report = Report(
@@ -101,16 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.start()
     totals = dict.fromkeys(("budgets", "behind", "above", "beaten"), 0)
-    for p in args.p:
-        for kind in args.costs:
-            t0 = time.process_time()
-            row = dict.fromkeys(("budgets", "behind", "above", "beaten", "at_bound"), 0)
+    rows = [(p, kind) for p in args.p for kind in args.costs]
+    cases = [(p, m, kind) for p, kind in rows for m in (p, 2 * p, 4 * p, 8 * p)]
+    with ProcessPoolExecutor(args.jobs) as pool:  # the counts do not depend on the split
+        futures = {case: pool.submit(one_case, *case) for case in cases}
+        for p, kind in rows:
+            row = dict.fromkeys(("budgets", "behind", "above", "beaten", "at_bound", "cpu_s"), 0)
             for m in (p, 2 * p, 4 * p, 8 * p):
-                for key, value in one_case(p, m, kind).items():
+                for key, value in futures[p, m, kind].result().items():
                     row[key] += value
             for key in totals:
                 totals[key] += row[key]
-            report.add({"p": p, "costs": kind, **row, "cpu_s": time.process_time() - t0})
+            report.add({"p": p, "costs": kind, **row})
     report.summary |= totals
     report.target(
         "never behind a fixed schedule", "0 cases", str(totals["behind"]), not totals["behind"]

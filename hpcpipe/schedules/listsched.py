@@ -11,6 +11,10 @@ activations of the microbatches still waiting for their second chunk, plus the n
 second chunk, fit under the cap. Then the oldest unfinished microbatch can always make progress
 on every rank, so for any cap at or above one microbatch's activations on the fullest rank
 (`Problem.floor`) the greedy completes (the policy knobs only reorder what is allowed).
+
+The search runs this greedy thousands of times; once `_compiled` says the Python loop's cost
+has added up, it runs the same loop compiled (`_listsched_numba`, with numba), which gives the
+same run bit for bit and is about 10x faster (p = 16, m = 64: 0.6 ms a run, not 6.6).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import hpcpipe.schedules._compiled as _compiled
 from hpcpipe.schedules.ir import Kind, Schedule
 from hpcpipe.schedules.simulate import CostModel
 
@@ -129,7 +134,7 @@ class Problem:
 
 @dataclass(frozen=True)
 class Run:
-    order: tuple[tuple[tuple[int, int, int], ...], ...]  # per rank: (kind, stage, microbatch)
+    order: tuple[np.ndarray, ...]  # per rank: rows of (kind, stage, microbatch)
     makespan: float
     depth_bound: bool  # whether the depth limit ever refused a forward
 
@@ -142,17 +147,24 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
     ready it sleeps until its next input arrives. Returns None if the cap is below one
     microbatch's activations on some rank.
     """
+    limit = cap + REL * max(1.0, abs(cap))
+    if prob.floor > limit:
+        return None
+    depth = policy.depth or (prob.m,) * prob.p
+    w_limit = -1 if policy.w_limit is None else policy.w_limit
+    greedy = (
+        _compiled.kernel("_listsched_numba", "greedy")
+        if _compiled.wanted(3 * prob.m * len(prob.rank_of), weight=4)
+        else None
+    )
+    if greedy is not None:
+        return _compiled_run(prob, greedy, limit, depth, w_limit, policy.b_order == "up")
     p, m = prob.p, prob.m
     S = len(prob.rank_of)
     stages_of, rank_of, act = prob.stages_of, prob.rank_of, prob.act
     t_f, t_b, t_w = prob.dur
     comm, b_frees = prob.comm, prob.b_frees
     w_frees = 1.0 - b_frees
-    limit = cap + REL * max(1.0, abs(cap))
-    if prob.floor > limit:
-        return None
-    depth = policy.depth or (m,) * p
-    w_limit = -1 if policy.w_limit is None else policy.w_limit
     up_first = policy.b_order == "up"
     b_rows = [row[::-1] if up_first else row for row in stages_of]
     f_rows = [row[::-1] for row in stages_of]  # the second chunk carries an older microbatch
@@ -276,15 +288,57 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
         push(heap, (end, r))
     if any(left):  # unreachable for cap >= floor (see the module docstring); kept as a guard
         return None
-    return Run(tuple(tuple(o) for o in order), makespan, depth_bound)
+    return Run(tuple(np.asarray(o, np.int64).reshape(-1, 3) for o in order), makespan, depth_bound)
+
+
+def _compiled_run(
+    prob: Problem,
+    greedy: Callable[..., tuple[bool, float, bool]],
+    limit: float,
+    depth: tuple[int, ...],
+    w_limit: int,
+    up_first: bool,
+) -> Run | None:
+    """`list_schedule` by the compiled greedy (`_listsched_numba`), which gives the same run."""
+    arrays = _kernel_arrays(prob)
+    lengths = 3 * prob.m * arrays[1]
+    order = np.empty((prob.p, int(lengths.max()), 3), dtype=np.int64)
+    complete, makespan, depth_bound = greedy(
+        prob.p,
+        prob.m,
+        *arrays,
+        prob.b_frees,
+        prob.comm,
+        limit,
+        np.asarray(depth, dtype=np.int64),
+        w_limit,
+        up_first,
+        _second(prob),
+        order,
+    )
+    if not complete:  # unreachable for cap >= floor, as in the Python loop
+        return None
+    return Run(tuple(order[r, :n] for r, n in enumerate(lengths)), makespan, bool(depth_bound))
+
+
+def _kernel_arrays(prob: Problem) -> tuple[np.ndarray, ...]:
+    """stages_of (padded), stages per rank, rank_of, F, B, W durations and activations."""
+    stages = np.zeros((prob.p, 2), dtype=np.int64)
+    counts = np.array([len(row) for row in prob.stages_of], dtype=np.int64)
+    for r, row in enumerate(prob.stages_of):
+        stages[r, : len(row)] = row
+    floats = [np.asarray(x, dtype=np.float64) for x in (*prob.dur, prob.act)]
+    return (stages, counts, np.asarray(prob.rank_of, dtype=np.int64), *floats)
+
+
+def _second(prob: Problem) -> np.ndarray:
+    """Each rank's second-chunk activations, summed as the Python loop sums them."""
+    return np.array([sum(prob.act[x] for x in row[1:]) for row in prob.stages_of], dtype=float)
 
 
 def run_to_schedule(prob: Problem, run: Run, params: Iterable[tuple[str, object]]) -> Schedule:
     """The greedy's order as a Schedule named "auto" (the search renames what it returns)."""
-    per_rank = []
-    for rows in run.order:
-        arr = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-        per_rank.append((arr[:, 0], arr[:, 1], arr[:, 2]))
+    per_rank = [(rows[:, 0], rows[:, 1], rows[:, 2]) for rows in run.order]
     return Schedule.from_arrays("auto", prob.stages_of, prob.m, per_rank, params=params)
 
 
@@ -305,9 +359,6 @@ def unit_list_schedule(name: str, p: int, m: int, v_shape: bool, cap: float) -> 
         name,
         prob.stages_of,
         m,
-        [
-            (a[:, 0], a[:, 1], a[:, 2])
-            for a in (np.asarray(o, np.int64).reshape(-1, 3) for o in best.order)
-        ],
+        [(rows[:, 0], rows[:, 1], rows[:, 2]) for rows in best.order],
         params=(("p", p), ("m", m)),
     )

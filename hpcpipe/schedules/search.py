@@ -217,8 +217,10 @@ def fixed_points(
 
 
 GREEDY_ACTIONS = 8_000_000
-"""Actions the list scheduler may place per placement in one search (about 20 s of CPU): it
-bounds the search at every size (p = 64, m = 256 stays under a minute in all)."""
+"""Actions the list scheduler may place per placement in one search (a few seconds of CPU with
+the compiled greedy, about 20 s without numba): it bounds the search at every size (p = 64,
+m = 256 stays under a minute in all). A count, not a time, so the search gives the same
+schedule on every machine."""
 
 
 def _effort(p: int, m: int) -> tuple[int, int, bool]:

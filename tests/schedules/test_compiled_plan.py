@@ -1,9 +1,10 @@
-"""The compiled planning passes that large schedules take (the structure check, the lowering's
-placement, the message check) give the NumPy paths' answers bit for bit, and every broken
-schedule the same error."""
+"""The compiled planning passes that large schedules (and long searches) take (the structure
+check, the lowering's placement, the message check, the search's greedy) give the NumPy and
+Python paths' answers bit for bit, and every broken schedule the same error."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import numpy as np
@@ -23,6 +24,7 @@ from hpcpipe.schedules import (
     validate,
 )
 from hpcpipe.schedules._table import _build_table, compute_table
+from hpcpipe.schedules.listsched import Policy, Problem, list_schedule, unit_costs
 
 pytest.importorskip("numba")
 
@@ -179,3 +181,52 @@ def test_without_numba_every_pass_takes_numpy(monkeypatch):
     monkeypatch.setattr(_compiled, "kernel", lambda module, name: None)
     table_module._last.clear()
     _same(_arrays(validate(sched)), expected)
+
+
+def _greedy_cases():
+    """Problems the search's greedy meets: both placements, uneven stages, B that frees part
+    of the activations, transfers, every policy knob; caps from the floor up."""
+    rng = np.random.default_rng(7)
+    for case in range(120):
+        p, m = int(rng.integers(1, 7)), int(rng.integers(1, 13))
+        v = bool(case % 3)
+        stages = 2 * p if v else p
+
+        def pick(*xs: float, n: int = stages) -> tuple[float, ...]:
+            return tuple(float(x) for x in rng.choice(xs, n))
+
+        prob = dataclasses.replace(
+            Problem.build(p, m, unit_costs(p), v),
+            dur=(pick(0.5, 1.0, 1.3, 2.0), pick(0.7, 1.0, 2.0), pick(0.3, 1.0, 1.1)),
+            act=pick(0.25, 0.5, 1.0, 1 / 3),
+            b_frees=float(rng.choice([0.0, 0.5, 1 / 3])),
+            comm=float(rng.choice([0.0, 0.1, 0.37])),
+        )
+        depth = None if case % 2 else tuple(int(d) for d in rng.integers(1, m + 1, p))
+        policy = Policy(
+            v, [None, 0, 1, 2, 3][case % 5], "up" if v and case % 4 == 1 else "old", depth
+        )
+        yield prob, prob.floor * float(rng.choice([1.0, 1.5, 2.0, 3.0, 10.0])), policy
+
+
+def test_the_compiled_greedy_gives_the_python_loops_run(monkeypatch):
+    runs = []
+    for threshold in (NONE, ALL):
+        monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", threshold)
+        runs.append([list_schedule(*case) for case in _greedy_cases()])
+    for python, compiled in zip(*runs, strict=True):
+        assert python is not None and compiled is not None
+        assert (python.makespan, python.depth_bound) == (compiled.makespan, compiled.depth_bound)
+        for ours, theirs in zip(python.order, compiled.order, strict=True):
+            np.testing.assert_array_equal(ours, theirs)
+    assert len({run.makespan for run in runs[0]}) > 50  # the cases differ
+
+
+def test_many_small_passes_switch_to_the_kernels_once_their_numpy_cost_adds_up(monkeypatch):
+    monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", 1000)
+    monkeypatch.setattr(_compiled, "_numpy_actions", 0)
+    assert not _compiled.wanted(600)
+    assert not _compiled.wanted(100, weight=3)  # 900 so far
+    assert _compiled.wanted(250, weight=4)  # one pass worth a kernel on its own
+    assert not _compiled.wanted(100)  # 1000 reached by this one
+    assert _compiled.wanted(1)  # from now on

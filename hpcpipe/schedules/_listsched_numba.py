@@ -1,0 +1,163 @@
+"""The compiled greedy behind `listsched.list_schedule` (imported only with numba).
+
+The same event-driven simulation as the Python loop, statement for statement, so that both
+give the same order and the same makespan bit for bit: the same float operations in the same
+order, and a heap of (time, rank) pairs, whose pops do not depend on how the heap is kept
+(equal pairs are interchangeable). The per-rank list of deferred Ws is an array, each row
+appended at its tail and taken from its head (a rank defers at most one W per backward).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+from numba import njit
+
+_F, _B, _W = 0, 1, 2
+
+
+@njit(cache=True)
+def greedy(
+    p, m, stages_of, n_stages, rank_of, t_f, t_b, t_w, act, b_frees, comm, limit, depth,
+    w_limit, up_first, second, order,
+):  # fmt: skip  # pragma: no cover (JIT)
+    """`list_schedule` for arrays: `stages_of[r, :n_stages[r]]` rank r's stages (first chunk
+    first), `depth[r]`, `w_limit` (-1: none), `order[r, k]` (kind, stage, microbatch) of rank
+    r's k-th action, written. Returns (complete, makespan, depth_bound)."""
+    S = rank_of.size
+    inf = np.inf
+    f_in = np.full((S, m), inf)
+    b_in = np.full((S, m), inf)
+    f_in[0, :] = 0.0
+    nf = np.zeros(S, dtype=np.int64)
+    nb = np.zeros(S, dtype=np.int64)
+    live = np.zeros(p)
+    held = np.zeros(p, dtype=np.int64)
+    waiting = np.zeros(p)
+    owed_s = np.empty((p, 2 * m), dtype=np.int64)
+    owed_i = np.empty((p, 2 * m), dtype=np.int64)
+    owed_head = np.zeros(p, dtype=np.int64)
+    owed_tail = np.zeros(p, dtype=np.int64)
+    planned = np.zeros(p)
+    left = np.empty(p, dtype=np.int64)
+    done = np.zeros(p, dtype=np.int64)
+    free = np.zeros(p)
+    for r in range(p):
+        left[r] = 3 * m * n_stages[r]
+    heap = [(0.0, 0)]
+    for r in range(1, p):
+        heap.append((0.0, r))
+    w_frees = 1.0 - b_frees
+    makespan = 0.0
+    depth_bound = False
+    last = S - 1
+    while len(heap):
+        t, r = heapq.heappop(heap)
+        if t != planned[r] or left[r] == 0:
+            continue
+        n_owed = owed_tail[r] - owed_head[r]
+        k = n_stages[r]
+        r0 = stages_of[r, 0]
+        kind = -1
+        s = 0
+        i = 0
+        if w_limit >= 0 and n_owed > w_limit:
+            kind = _W
+        else:
+            for y in range(k):
+                x = stages_of[r, k - 1 - y] if up_first else stages_of[r, y]
+                j = nb[x]
+                if j < m and b_in[x, j] <= t and (kind < 0 or (not up_first and j < i)):
+                    kind, s, i = _B, x, j
+            if kind < 0:
+                live_r = live[r]
+                for y in range(k):
+                    x = stages_of[r, k - 1 - y]
+                    j = nf[x]
+                    if j >= m or f_in[x, j] > t or live_r + act[x] > limit:
+                        continue
+                    if x == r0:
+                        if waiting[r] + act[x] + second[r] > limit:
+                            continue
+                        if held[r] >= depth[r]:
+                            depth_bound = True
+                            continue
+                    if kind < 0 or j < i:
+                        kind, s, i = _F, x, j
+            if kind < 0 and n_owed:
+                kind = _W
+        if kind < 0:
+            nxt = inf
+            for y in range(k):
+                x = stages_of[r, y]
+                j = nb[x]
+                if j < m:
+                    a = b_in[x, j]
+                    if t < a < nxt:
+                        nxt = a
+                j = nf[x]
+                if j < m:
+                    a = f_in[x, j]
+                    if t < a < nxt:
+                        nxt = a
+            planned[r] = nxt
+            if nxt < inf:
+                heapq.heappush(heap, (nxt, r))
+            continue
+        left[r] -= 1
+        if kind == _F:
+            end = t + t_f[s]
+            nf[s] += 1
+            live[r] += act[s]
+            if s == r0:
+                held[r] += 1
+                if k > 1:
+                    waiting[r] += act[s]
+            else:
+                waiting[r] -= act[r0]
+            if s == last:
+                b_in[s, i] = end
+            else:
+                q = rank_of[s + 1]
+                at = end if q == r else end + comm
+                f_in[s + 1, i] = at
+                if free[q] > at:
+                    at = free[q]
+                if at < planned[q]:
+                    planned[q] = at
+                    heapq.heappush(heap, (at, q))
+        elif kind == _B:
+            end = t + t_b[s]
+            nb[s] += 1
+            live[r] -= b_frees * act[s]
+            owed_s[r, owed_tail[r]] = s
+            owed_i[r, owed_tail[r]] = i
+            owed_tail[r] += 1
+            if s > 0:
+                q = rank_of[s - 1]
+                at = end if q == r else end + comm
+                b_in[s - 1, i] = at
+                if free[q] > at:
+                    at = free[q]
+                if at < planned[q]:
+                    planned[q] = at
+                    heapq.heappush(heap, (at, q))
+        else:
+            s = owed_s[r, owed_head[r]]
+            i = owed_i[r, owed_head[r]]
+            owed_head[r] += 1
+            end = t + t_w[s]
+            live[r] -= w_frees * act[s]
+            if s == r0:
+                held[r] -= 1
+        order[r, done[r], 0] = kind
+        order[r, done[r], 1] = s
+        order[r, done[r], 2] = i
+        done[r] += 1
+        if end > makespan:
+            makespan = end
+        free[r] = end
+        planned[r] = end
+        heapq.heappush(heap, (end, r))
+    return not left.any(), makespan, depth_bound
