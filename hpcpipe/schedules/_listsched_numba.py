@@ -20,11 +20,12 @@ _F, _B, _W = 0, 1, 2
 @njit(cache=True)
 def greedy(
     p, m, stages_of, n_stages, rank_of, t_f, t_b, t_w, act, b_frees, comm, limit, depth,
-    w_limit, up_first, second, order,
+    w_limit, up_first, late_f, second, order,
 ):  # fmt: skip  # pragma: no cover (JIT)
     """`list_schedule` for arrays: `stages_of[r, :n_stages[r]]` rank r's stages (first chunk
-    first), `depth[r]`, `w_limit` (-1: none), `order[r, k]` (kind, stage, microbatch) of rank
-    r's k-th action, written. Returns (complete, makespan, depth_bound)."""
+    first), `depth[r]`, `w_limit` (-1: none), `up_first` and `late_f` (the policy's), and
+    `order[r, k]`, (kind, stage, microbatch) of rank r's k-th action, written. Returns
+    (complete, makespan, depth_bound)."""
     S = rank_of.size
     inf = np.inf
     f_in = np.full((S, m), inf)
@@ -70,6 +71,11 @@ def greedy(
                 j = nb[x]
                 if j < m and b_in[x, j] <= t and (kind < 0 or (not up_first and j < i)):
                     kind, s, i = _B, x, j
+            if late_f and kind == _B and s == r0 and k > 1:
+                x = stages_of[r, 1]
+                j = nf[x]
+                if j < m and f_in[x, j] <= t and live[r] + act[x] <= limit:
+                    kind, s, i = _F, x, j
             if kind < 0:
                 live_r = live[r]
                 for y in range(k):

@@ -96,11 +96,19 @@ class _Candidate:
 
 
 def _policies(prob: Problem) -> list[Policy]:
-    """The grid: W deferral x (V only) backward order; depth is swept per policy."""
-    b_orders = ("old", "up") if prob.v_shape else ("old",)
+    """The grid: W deferral x (V only) backward order x late second-chunk forwards; depth is
+    swept per policy."""
+    v = prob.v_shape
     return [
-        Policy(prob.v_shape, w_limit, b_order) for w_limit in (None, 1, 2) for b_order in b_orders
+        Policy(v, w_limit, b_order, late_f=late_f)
+        for w_limit in (None, 1, 2)
+        for b_order in (("old", "up") if v else ("old",))
+        for late_f in ((False, True) if v else (False,))
     ]
+
+
+GRID = 12
+"""The most policies `_policies` returns (the V placement's)."""
 
 
 def _ladder(m: int) -> list[int]:
@@ -175,6 +183,8 @@ def _descend(prob: Problem, cap: float, start: _Candidate, max_evals: int) -> _C
         for w_limit in (None, 0, 1, 2, 3, prob.p):
             if w_limit != best.policy.w_limit:
                 moves.append(replace(best.policy, w_limit=w_limit))
+        if prob.v_shape:
+            moves.append(replace(best.policy, late_f=not best.policy.late_f))
         for policy in moves:
             if evals >= max_evals:
                 break
@@ -216,7 +226,7 @@ def fixed_points(
     return out
 
 
-GREEDY_ACTIONS = 8_000_000
+GREEDY_ACTIONS = 16_000_000
 """Actions the list scheduler may place per placement in one search (a few seconds of CPU with
 the compiled greedy, about 20 s without numba): it bounds the search at every size (p = 64,
 m = 256 stays under a minute in all). A count, not a time, so the search gives the same
@@ -230,14 +240,17 @@ def _effort(p: int, m: int) -> tuple[int, int, bool]:
     ladder sweep."""
     keep = 6
     runs = GREEDY_ACTIONS // (6 * p * m)
-    every = 6 * m <= runs // 2  # the full sweep costs at most half of the budget
-    swept = 6 * m if every else len(_ladder(m)) + 15
+    every = GRID * m <= runs // 2  # the full sweep costs at most half of the budget
+    swept = GRID * m if every else len(_ladder(m)) + 3 * (GRID - 1)
     wanted = max(min(24 * p * keep, 2_000_000 // (6 * p * m)) // keep, 2 * p)
     return keep, max(1, min(wanted, (runs - swept) // keep)), every
 
 
 REFINED = 3
-"""How many of the fastest candidates `refine` improves under the deck's costs."""
+"""How many of the fastest candidates `refine` improves under the deck's costs, each with the
+shift pass where one fits: the fastest is not always the one that shifts furthest (p = 3, m = 3,
+unit costs, budget 2.5: a greedy order at 11 stays there, V-Half at 11.5 shifts to the optimum,
+10.5)."""
 
 
 def _refine_evals(p: int, m: int) -> int:
@@ -296,15 +309,11 @@ def search(
             add(item)
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
     budget_evals = _refine_evals(p, m)
-    for k, (*_, found) in enumerate(ranked[:REFINED]):
+    for *_, found in ranked[:REFINED]:
         if found.schedule.pairs.size:
             continue
         sched, result, _ = refine(
-            found.schedule,
-            costs_for(found.schedule.num_stages),
-            budget,
-            budget_evals,
-            shifts=k == 0,  # the shift pass (small problems only) for the fastest one
+            found.schedule, costs_for(found.schedule.num_stages), budget, budget_evals
         )
         if _faster(result.makespan, found.makespan):
             how = "refined " + found.how

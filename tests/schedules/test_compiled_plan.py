@@ -204,7 +204,11 @@ def _greedy_cases():
         )
         depth = None if case % 2 else tuple(int(d) for d in rng.integers(1, m + 1, p))
         policy = Policy(
-            v, [None, 0, 1, 2, 3][case % 5], "up" if v and case % 4 == 1 else "old", depth
+            v,
+            [None, 0, 1, 2, 3][case % 5],
+            "up" if v and case % 4 == 1 else "old",
+            depth,
+            late_f=v and case % 7 < 3,
         )
         yield prob, prob.floor * float(rng.choice([1.0, 1.5, 2.0, 3.0, 10.0])), policy
 

@@ -320,3 +320,20 @@ def test_the_shift_pass_reaches_problems_of_a_few_hundred_actions():
     placement = [(r, 9 - r) for r in range(5)]
     bound = lower_bound(placement, 5, costs(10), 3.0).makespan
     assert found.makespan == pytest.approx(bound) == pytest.approx(27.4)
+
+
+def test_late_second_chunk_forwards_reach_the_optimum_where_v_half_is_half_a_step_behind():
+    """p = 6, m = 6, unit costs, budget 4: V-Half takes 24; the lower bound and the exact
+    optimum with every stage in microbatch order (CP-SAT) are 23.5. That order runs a ready
+    forward of the chunk nearer the loss before a backward of the first chunk, which the
+    greedy's `late_f` policy does."""
+    from hpcpipe.schedules.bound import lower_bound
+
+    cfg = PipelineConfig(microbatches=6)
+    costs = costs_for(cfg, 6)
+    found = search(6, 6, costs, 4.0)
+    check(found, cfg, 6, 4.0)
+    assert simulate(build_schedule("v-half", 6, 6), costs(12)).makespan == 24.0
+    bound = lower_bound([(r, 11 - r) for r in range(6)], 6, costs(12), 4.0).makespan
+    assert found.makespan == bound == 23.5
+    assert "second-chunk F before first-chunk B" in found.how
