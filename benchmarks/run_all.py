@@ -1,6 +1,6 @@
 """Regenerate every figure and the performance report: one command.
 
-    python benchmarks/run_all.py             # about 15 minutes on 2 cores
+    python benchmarks/run_all.py             # hours on 2 cores: the schedule figures are long
     python benchmarks/run_all.py --only p2p_latency,pipeline_step
 
 Runs each figure script (each writes benchmarks/results/<figure>.json, some a .png), then
@@ -36,9 +36,18 @@ FIGURES = (
     "plan_scale",
     "schedule_search",
     "schedule_exact",
+    "schedule_search_large",
     "layout_search",
     "layout_ranking",
 )
+VARIANTS = {
+    "schedule_search_large": (
+        "schedule_search.py",
+        *("--p", "6", "7", "8", "--skip-scale", "--jobs", "2"),
+        *("--json", "benchmarks/results/schedule_search_large.json"),
+    ),
+}
+"""Figures written by another figure's script with other arguments (paths from the root)."""
 
 
 def main() -> int:
@@ -51,7 +60,8 @@ def main() -> int:
         ap.error(f"unknown figure(s) {', '.join(unknown)}; known: {', '.join(FIGURES)}")
     for figure in chosen:
         print(f"\n== {figure}", flush=True)
-        subprocess.run([sys.executable, str(HERE / f"{figure}.py")], check=True)
+        script, *extra = VARIANTS.get(figure, (f"{figure}.py",))
+        subprocess.run([sys.executable, str(HERE / script), *extra], check=True, cwd=HERE.parent)
     subprocess.run([sys.executable, str(HERE / "report.py")], check=True)
     return 0
 
