@@ -112,6 +112,11 @@ class ScheduleError(ValueError):
         named = f"schedule {schedule.name!r}: {problem}" if schedule is not None else problem
         super().__init__(named)
 
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        """Pickled (a process pool, MPI) with the whole message, grid drawn: the schedule
+        does not travel."""
+        return (type(self), (str(self),))
+
     def __str__(self) -> str:
         if self._text is None:
             text = str(self.args[0]) if self.args else ""

@@ -254,3 +254,13 @@ def test_deadlock_check_falls_back_to_simulation_for_other_orders(monkeypatch):
     validate(build_schedule("interleaved-1f1b", 3, 6))
     validate(build_schedule("dualpipe-v", 4, 8))
     assert len(calls) == 1
+
+
+def test_a_schedule_error_keeps_its_grid_when_pickled():
+    """The grid is drawn lazily; a pickled error (a process pool) still carries all of it."""
+    import pickle
+
+    err = _fails([["0F0", "0B0", "0W0"], ["1F0", "1B0"]], r"has 1 B but 0 W")
+    copy = pickle.loads(pickle.dumps(err))
+    assert isinstance(copy, ScheduleError) and str(copy) == str(err)
+    assert re.search(r"rank \|", str(copy))
