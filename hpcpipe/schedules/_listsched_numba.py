@@ -20,12 +20,12 @@ _F, _B, _W = 0, 1, 2
 @njit(cache=True)
 def greedy(
     p, m, stages_of, n_stages, rank_of, t_f, t_b, t_w, act, b_frees, comm, limit, depth,
-    w_limit, up_first, late_f, second, order,
+    w_limit, up_first, late_f, reserve, second, order,
 ):  # fmt: skip  # pragma: no cover (JIT)
     """`list_schedule` for arrays: `stages_of[r, :n_stages[r]]` rank r's stages (first chunk
-    first), `depth[r]`, `w_limit` (-1: none), `up_first` and `late_f` (the policy's), and
-    `order[r, k]`, (kind, stage, microbatch) of rank r's k-th action, written. Returns
-    (complete, makespan, depth_bound)."""
+    first), `depth[r]`, `w_limit` (-1: none), `up_first`, `late_f` and `reserve` (the
+    policy's), and `order[r, k]`, (kind, stage, microbatch) of rank r's k-th action, written.
+    Returns (complete, makespan, depth_bound)."""
     S = rank_of.size
     inf = np.inf
     f_in = np.full((S, m), inf)
@@ -84,7 +84,8 @@ def greedy(
                     if j >= m or f_in[x, j] > t or live_r + act[x] > limit:
                         continue
                     if x == r0:
-                        if waiting[r] + act[x] + second[r] > limit:
+                        room = reserve * second[r] if waiting[r] > 0.5 * act[x] else second[r]
+                        if waiting[r] + act[x] + room > limit:
                             continue
                         if held[r] >= depth[r]:
                             depth_bound = True

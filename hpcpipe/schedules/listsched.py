@@ -24,6 +24,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -69,7 +70,12 @@ class Policy:
     may hold at once (None: only the memory cap limits it). `late_f` (V placement): a ready
     forward of the second chunk (the stage nearer the loss) goes before a backward of the first:
     it carries its microbatch towards the loss, the longer remaining path (at p = 6, m = 6,
-    budget 4, unit costs this reaches the optimum, 23.5, where V-Half takes 24).
+    budget 4, unit costs this reaches the optimum, 23.5, where V-Half takes 24). `reserve`
+    (V placement): a first-chunk forward starts only while the rank keeps room for this many
+    second chunks beside the microbatches already waiting for theirs. 1 is the least that can
+    never deadlock; more keeps a warm-up shallow where memory is tight (p = 7, m = 7, budget
+    3.5, unit costs: 3 reaches 32 where V-Min takes 32.5). An idle rank always keeps room
+    for at least one.
     """
 
     v_shape: bool
@@ -77,6 +83,7 @@ class Policy:
     b_order: str = "old"
     depth: tuple[int, ...] | None = None
     late_f: bool = False
+    reserve: int = 1
 
     def describe(self) -> str:
         parts = ["V placement" if self.v_shape else "one stage per rank"]
@@ -85,6 +92,8 @@ class Policy:
             parts.append("older B first" if self.b_order == "old" else "B near the loss first")
             if self.late_f:
                 parts.append("second-chunk F before first-chunk B")
+            if self.reserve != 1:
+                parts.append(f"room for {self.reserve} second chunks")
         if self.depth is not None:
             parts.append("depth " + ",".join(map(str, self.depth)))
         return "; ".join(parts)
@@ -137,6 +146,22 @@ class Problem:
         """Least possible peak: one microbatch's activations on the fullest rank."""
         return max(sum(self.act[s] for s in row) for row in self.stages_of)
 
+    @cached_property
+    def kernel_arrays(self) -> tuple[np.ndarray, ...]:
+        """For the compiled greedy: stages_of (padded), stages per rank, rank_of, F, B, W
+        durations and activations (built once: a search runs the greedy thousands of times)."""
+        stages = np.zeros((self.p, 2), dtype=np.int64)
+        counts = np.array([len(row) for row in self.stages_of], dtype=np.int64)
+        for r, row in enumerate(self.stages_of):
+            stages[r, : len(row)] = row
+        floats = [np.asarray(x, dtype=np.float64) for x in (*self.dur, self.act)]
+        return (stages, counts, np.asarray(self.rank_of, dtype=np.int64), *floats)
+
+    @cached_property
+    def second(self) -> np.ndarray:
+        """Each rank's second-chunk activations, summed as the Python loop sums them."""
+        return np.array([sum(self.act[x] for x in row[1:]) for row in self.stages_of], dtype=float)
+
 
 @dataclass(frozen=True)
 class Run:
@@ -173,6 +198,7 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
     w_frees = 1.0 - b_frees
     up_first = policy.b_order == "up"
     late_f = policy.late_f
+    reserve = policy.reserve
     b_rows = [row[::-1] if up_first else row for row in stages_of]
     f_rows = [row[::-1] for row in stages_of]  # the second chunk carries an older microbatch
     first = [row[0] for row in stages_of]
@@ -223,7 +249,8 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
                     if j >= m or f_in[x][j] > t or live_r + act[x] > limit:
                         continue
                     if x == r0:
-                        if waiting[r] + act[x] + second[r] > limit:
+                        room = reserve * second[r] if waiting[r] > 0.5 * act[x] else second[r]
+                        if waiting[r] + act[x] + room > limit:
                             continue
                         if held[r] >= depth[r]:
                             depth_bound = True
@@ -312,7 +339,7 @@ def _compiled_run(
     policy: Policy,
 ) -> Run | None:
     """`list_schedule` by the compiled greedy (`_listsched_numba`), which gives the same run."""
-    arrays = _kernel_arrays(prob)
+    arrays = prob.kernel_arrays
     lengths = 3 * prob.m * arrays[1]
     order = np.empty((prob.p, int(lengths.max()), 3), dtype=np.int64)
     complete, makespan, depth_bound = greedy(
@@ -326,27 +353,13 @@ def _compiled_run(
         w_limit,
         policy.b_order == "up",
         policy.late_f,
-        _second(prob),
+        policy.reserve,
+        prob.second,
         order,
     )
     if not complete:  # unreachable for cap >= floor, as in the Python loop
         return None
     return Run(tuple(order[r, :n] for r, n in enumerate(lengths)), makespan, bool(depth_bound))
-
-
-def _kernel_arrays(prob: Problem) -> tuple[np.ndarray, ...]:
-    """stages_of (padded), stages per rank, rank_of, F, B, W durations and activations."""
-    stages = np.zeros((prob.p, 2), dtype=np.int64)
-    counts = np.array([len(row) for row in prob.stages_of], dtype=np.int64)
-    for r, row in enumerate(prob.stages_of):
-        stages[r, : len(row)] = row
-    floats = [np.asarray(x, dtype=np.float64) for x in (*prob.dur, prob.act)]
-    return (stages, counts, np.asarray(prob.rank_of, dtype=np.int64), *floats)
-
-
-def _second(prob: Problem) -> np.ndarray:
-    """Each rank's second-chunk activations, summed as the Python loop sums them."""
-    return np.array([sum(prob.act[x] for x in row[1:]) for row in prob.stages_of], dtype=float)
 
 
 def run_to_schedule(prob: Problem, run: Run, params: Iterable[tuple[str, object]]) -> Schedule:

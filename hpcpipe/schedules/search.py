@@ -99,16 +99,22 @@ def _policies(prob: Problem) -> list[Policy]:
     """The grid: W deferral x (V only) backward order x late second-chunk forwards; depth is
     swept per policy."""
     v = prob.v_shape
-    return [
+    grid = [
         Policy(v, w_limit, b_order, late_f=late_f)
         for w_limit in (None, 1, 2)
         for b_order in (("old", "up") if v else ("old",))
         for late_f in ((False, True) if v else (False,))
     ]
+    if v:  # a shallow warm-up for the late forwards (Policy.reserve)
+        grid += [Policy(v, w_limit, "up", late_f=True, reserve=3) for w_limit in (None, 1, 2)]
+    return grid
 
 
-GRID = 12
+GRID = 15
 """The most policies `_policies` returns (the V placement's)."""
+
+RESERVES = (1, 2, 3)
+"""Second-chunk room the descent tries on the V placement (`Policy.reserve`)."""
 
 
 def _ladder(m: int) -> list[int]:
@@ -185,6 +191,9 @@ def _descend(prob: Problem, cap: float, start: _Candidate, max_evals: int) -> _C
                 moves.append(replace(best.policy, w_limit=w_limit))
         if prob.v_shape:
             moves.append(replace(best.policy, late_f=not best.policy.late_f))
+            for reserve in RESERVES:
+                if reserve != best.policy.reserve:
+                    moves.append(replace(best.policy, reserve=reserve))
         for policy in moves:
             if evals >= max_evals:
                 break

@@ -93,10 +93,14 @@ def mailbox_case() -> dict[str, Any]:
                 if pos in releases:
                     box.release(releases[pos])
             box.drain()
+            if _step == 0:
+                first_step = backend.pinned_allocations
         backend.record_event().synchronize()
         out[name] = {
             "ok": bool(COMM.allreduce(int(ok), op=MPI.MIN)),
             "pinned": backend.pinned_allocations,
+            "pinned_first_step": first_step,
+            "overflows": box.send_pool_overflows,
             "deferred": box.sends_deferred,
         }
         out["bound"] = plan.receive_buffers + sum(plan.send_slots.values())

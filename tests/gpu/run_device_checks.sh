@@ -35,7 +35,8 @@ OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
 BUDGET_S=${BUDGET_S:-450}
-PY=${PYTHON:-python3}
+# an absolute path: Open MPI's launcher may not find a venv's python3 on PATH for its ranks
+PY=$(command -v "${PYTHON:-python3}" || echo "${PYTHON:-python3}")
 START=$SECONDS
 : >"$LOG"
 : >"$WORK/status.tsv"
@@ -165,6 +166,10 @@ if [[ -d "$WORK/prefix" ]]; then
 fi
 MPIEXEC=$(find_mpiexec)
 export HPCPIPE_MPIEXEC="${MPIEXEC:-mpiexec}"
+# Open MPI's mpiexec refuses root unless told twice (a GPU image often runs as root)
+if [[ $(id -u) == 0 ]] && "$HPCPIPE_MPIEXEC" --version 2>/dev/null | grep -q "Open MPI\|OpenRTE"; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
 say "mpiexec: ${MPIEXEC:-none found}"
 
 decision() {

@@ -52,11 +52,16 @@ def direct_or_skip(record: dict) -> None:
 
 def test_mailbox_moves_device_buffers_staged_and_direct():
     (record,) = run_gpu_driver(2, "mailbox")
-    assert record["staged"]["ok"] and record["staged-overlap"]["ok"]
-    # rank 0's pinned buffers: at most its plan's receive buffers + staged sends in flight, and
-    # the second step allocates none (both modes share one backend)
-    assert 0 < record["staged"]["pinned"] <= record["bound"]
-    assert record["staged-overlap"]["pinned"] == record["staged"]["pinned"]
+    staged, overlap = record["staged"], record["staged-overlap"]
+    assert staged["ok"] and overlap["ok"]
+    # rank 0's pinned buffers: its plan's receive buffers + staged sends in flight, and the
+    # second step allocates none (both modes share one backend). A send slot beyond the plan's
+    # (the receiver had not yet completed a rendezvous: Open MPI's timing, not MPICH's) is
+    # allowed but must be counted as an overflow, never allocated silently.
+    for mode in (staged, overlap):
+        assert mode["pinned_first_step"] == mode["pinned"], mode
+    assert 0 < staged["pinned"] - staged["overflows"] <= record["bound"], staged
+    assert overlap["pinned"] - staged["pinned"] <= overlap["overflows"], overlap
     direct_or_skip(record)
     assert record["direct"]["ok"]
 

@@ -209,6 +209,7 @@ def _greedy_cases():
             "up" if v and case % 4 == 1 else "old",
             depth,
             late_f=v and case % 7 < 3,
+            reserve=1 + (case // 3) % 3,
         )
         yield prob, prob.floor * float(rng.choice([1.0, 1.5, 2.0, 3.0, 10.0])), policy
 

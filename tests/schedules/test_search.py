@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,10 +15,12 @@ from hypothesis import strategies as st
 from hpcpipe.config import ConfigError, parse_section
 from hpcpipe.schedules import build_schedule, simulate, validate
 from hpcpipe.schedules.config import PipelineConfig, cost_model, costs_for
+from hpcpipe.schedules.listsched import Problem, list_schedule
 from hpcpipe.schedules.report import load_schedule, plan_report
 from hpcpipe.schedules.search import (
     BudgetError,
     Found,
+    _policies,
     fixed_points,
     min_budget,
     pareto_front,
@@ -337,3 +340,22 @@ def test_late_second_chunk_forwards_reach_the_optimum_where_v_half_is_half_a_ste
     bound = lower_bound([(r, 11 - r) for r in range(6)], 6, costs(12), 4.0).makespan
     assert found.makespan == bound == 23.5
     assert "second-chunk F before first-chunk B" in found.how
+
+
+def test_room_for_three_second_chunks_beats_v_min_where_memory_is_tight():
+    """p = 7, m = 7, unit costs, budget 3.5: V-Min takes 32.5 (the bound is 31, which CP-SAT
+    reaches with every stage in microbatch order). Keeping room for three second chunks before
+    a rank starts another microbatch keeps the warm-up shallow enough for the late forwards
+    to pay: 32.0. With room for one only, no policy of the grid gets below 32.5."""
+    cfg = PipelineConfig(microbatches=7)
+    costs = costs_for(cfg, 7)
+    found = search(7, 7, costs, 3.5)
+    check(found, cfg, 7, 3.5)
+    assert simulate(build_schedule("v-min", 7, 7), costs(14)).makespan == 32.5
+    assert found.makespan == 32.0
+    assert "room for 3 second chunks" in found.how
+    prob = Problem.build(7, 7, costs, True)
+    for base in _policies(prob):
+        for d in range(1, 8):
+            run = list_schedule(prob, 3.5, replace(base, reserve=1, depth=(d,) * 7))
+            assert run is None or run.makespan >= 32.5
