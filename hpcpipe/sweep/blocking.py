@@ -87,6 +87,12 @@ KERNEL_COSTS: dict[str, SweepCost] = {
         per_byte=1 / 5e9,
         copy_per_byte=1 / 12e9,
     ),
+    # The CUDA kernel: one launch per task, a barrier per hyperplane inside it (a plane's
+    # cells wait for the one before), little per unknown while the GPU has threads to spare.
+    # Faces are device arrays: staged through the host unless MPI is CUDA-aware.
+    "cuda": SweepCost(
+        per_unknown=0.05e-9, per_task=60e-6, per_plane=2e-6, message=30e-6, per_byte=1 / 5e9
+    ),
 }
 
 

@@ -19,7 +19,7 @@ __all__ = ["FACES", "KERNELS", "SweepConfig"]
 FACES: tuple[str, ...] = ("x-", "x+", "y-", "y+", "z-", "z+")
 """Domain faces in the order used for incident-flux arrays: low then high side of x, y, z."""
 
-KERNELS: tuple[str, ...] = ("auto", "numba", "numpy")
+KERNELS: tuple[str, ...] = ("auto", "numba", "numpy", "cuda")
 """Sweep kernels a deck may ask for (kernel.resolve_kernel says which one runs)."""
 
 
@@ -67,7 +67,8 @@ class SweepConfig:
     kernel: str = option(
         "auto",
         "sweep kernel: numba (compiled loops), numpy (vectorised hyperplanes; also on CuPy "
-        "arrays); auto = numba when it is installed and the arrays are on the host",
+        "arrays), cuda (compiled for the GPU, CuPy); auto = numba on the host when it is "
+        "installed, else numpy; cuda on a GPU",
         choices=KERNELS,
     )
     z_block: int = option(

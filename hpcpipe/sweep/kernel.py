@@ -25,6 +25,8 @@ import numpy as np
 from hpcpipe.sweep.compiled import PROGRESS_UNKNOWNS, sweep_block_compiled
 from hpcpipe.sweep.compiled import available as compiled_available
 from hpcpipe.sweep.config import KERNELS
+from hpcpipe.sweep.cuda_kernel import runs_on as cuda_runs_on
+from hpcpipe.sweep.cuda_kernel import sweep_block_cuda
 from hpcpipe.sweep.mesh import Problem
 from hpcpipe.sweep.quadrature import OCTANTS, Quadrature
 
@@ -63,10 +65,10 @@ def block_order(
 ) -> BlockOrder:
     """Hyperplane order of a block for one octant; `nz` is the z extent of the flat arrays.
 
-    The numba kernel walks the block in loop order and needs no index arrays (building them
-    costs about as much as the compiled sweep of the block), so for it they are left empty.
+    The numba and cuda kernels walk the block in loop order and need no index arrays (building
+    them costs about as much as the compiled sweep of the block), so for them they are empty.
     """
-    if kernel == "numba":
+    if kernel in ("numba", "cuda"):
         return BlockOrder(shape, nz, octant, None, None, None, None, ())
     bx, by, bz = shape
     sx, sy, sz = OCTANTS[octant]
@@ -143,17 +145,26 @@ def angle_block(
 
 
 def resolve_kernel(name: str, xp: Any = np) -> str:
-    """The kernel a sweep runs for a deck's `kernel` (config.KERNELS): auto = numba when it is
-    installed and the arrays are on the host, else numpy. Raises ValueError saying what to do
-    when the one asked for cannot run here."""
+    """The kernel a sweep runs for a deck's `kernel` (config.KERNELS) with arrays of `xp`
+    (None: a GPU run being planned): auto = numba on the host when it is installed, else
+    numpy; cuda on a GPU (numpy for a stand-in array module that is not CuPy). Raises
+    ValueError saying what to do when the one asked for cannot run here."""
     if name not in KERNELS:
         raise ValueError(f"unknown sweep kernel {name!r}; known: {', '.join(KERNELS)}")
+    on_gpu = xp is None or cuda_runs_on(xp)
     if name == "auto":
-        return "numba" if xp is np and compiled_available() else "numpy"
+        if xp is np:
+            return "numba" if compiled_available() else "numpy"
+        return "cuda" if on_gpu else "numpy"
+    if name == "cuda" and not on_gpu:
+        raise ValueError(
+            "the cuda kernel runs on CuPy arrays: set device.kind = 'cuda', or use 'auto' "
+            "(numba or numpy on the host)"
+        )
     if name == "numba" and xp is not np:
         raise ValueError(
             "the numba kernel runs on host arrays; with device.kind = 'cuda' use 'auto' or "
-            "'numpy' (the hyperplane kernel, which runs on CuPy arrays)"
+            "'cuda' (compiled for the GPU) or 'numpy' (the hyperplane kernel on CuPy arrays)"
         )
     if name == "numba" and not compiled_available():
         raise ValueError(
@@ -190,9 +201,27 @@ def sweep_block(
     `q` and `sigma_t` are (cells, G) over the rank's flat (bx, by, nz) arrays; `q` is the
     isotropic source per unit angular weight (scattering + fixed). The arithmetic per cell and
     direction does not depend on the blocking, so every decomposition gives the same psi.
-    `kernel` is a resolved name (`resolve_kernel`): "numba" runs compiled.py's loops instead.
+    `kernel` is a resolved name (`resolve_kernel`): "numba" runs compiled.py's loops instead,
+    "cuda" cuda_kernel.py's (one launch, asynchronous: nothing to progress meanwhile).
     `progress` (the executor's MPI progress) is called every so often during the block.
     """
+    if kernel == "cuda":
+        coefficients = (angles.cx, angles.cy, angles.cz, angles.total, angles.weights)
+        sweep_block_cuda(
+            xp,
+            order.shape,
+            order.nz,
+            z0,
+            OCTANTS[order.octant],
+            coefficients,
+            q,
+            sigma_t,
+            phi,
+            (fx, fy, fz),
+            scheme == "dd",
+            fixup,
+        )
+        return
     if kernel == "numba":
         sweep_block_compiled(
             order.shape,

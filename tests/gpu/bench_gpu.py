@@ -7,16 +7,17 @@
 p2p: `hpcpipe.bench.p2p` in device mode (device -> device ping-pong through the Mailbox,
 CUDA-aware direct vs staged through pinned memory, next to host buffers); until `hpcpipe bench
 p2p` has `--device`, this is its entry point. sweep: the `hpcpipe bench sweep` problem (Kripke's,
-n^3 zones, S8, 8 groups) swept on the GPU (the NumPy kernel on CuPy arrays) and on the CPU (the
-default kernel there, numba when installed) with the whole octant as one task (the GPU's best
-case: the longest vectors); grind_ns here = sweep time x ranks / unknowns (core time).
+n^3 zones, S8, 8 groups) swept on the GPU (its default kernel, cuda, and the NumPy kernel on
+CuPy arrays) and on the CPU (its default kernel, numba when installed) with the whole octant
+as one task (the GPU's best case: the most work per launch); grind_ns here = sweep time x
+ranks / unknowns (core time).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
-import json
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
@@ -53,14 +55,16 @@ def p2p(args: argparse.Namespace) -> None:
         report.write(args.json, command=" ".join(sys.argv), machine=info)
 
 
-def _sweep_time(cfg: Any, comm: MPI.Comm, xp: Any, sweeps: int) -> dict[str, Any]:
+def _sweep_time(
+    cfg: Any, comm: MPI.Comm, xp: Any, sweeps: int, blocking: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
     from hpcpipe.sweep.mesh import build_problem
     from hpcpipe.sweep.parallel import KBASweeper
     from hpcpipe.sweep.plan import build_plan
     from hpcpipe.sweep.solver import LocalCells
 
     problem = build_problem(cfg)
-    plan = build_plan(cfg.px, cfg.py, problem.mesh.shape, problem.quadrature.per_octant, 0, 0)
+    plan = build_plan(cfg.px, cfg.py, problem.mesh.shape, problem.quadrature.per_octant, *blocking)
     sweeper = KBASweeper(problem, plan, comm, xp=xp, device_buffers=False)
     cells = LocalCells(problem, sweeper.x_cells, sweeper.y_cells, xp=xp)
     q = cells.source(xp.zeros((cells.cells, problem.groups)))
@@ -77,40 +81,137 @@ def _sweep_time(cfg: Any, comm: MPI.Comm, xp: Any, sweeps: int) -> dict[str, Any
     wall = float(np.median(walls))
     return {
         "ranks": comm.size,
-        "sweep_s": wall,
+        "z_block": plan.z_block,
+        "angle_block": plan.angle_block,
+        "sweep_ms": wall * 1e3,
         "sweeps_s": walls,
-        "grind_ns": wall * comm.size / unknowns * 1e9,
+        "grind_ns": wall / unknowns * 1e9,
+        "core_ns": wall * comm.size / unknowns * 1e9,
         "unknowns": unknowns,
     }
 
 
+BLOCKINGS = ((0, 0), (16, 0), (8, 0), (4, 0), (0, 5), (0, 2))
+"""(z_block, angle_block) the cuda kernel is timed at on one rank (0: whole): the cost model's
+per-task, per-plane and per-unknown terms are fitted to them."""
+
+
+def _fit_cuda(rows: list[dict[str, Any]], shape: tuple[int, int, int], groups: int) -> Any:
+    """Least-squares per-task, per-plane and per-unknown costs from the 1-rank cuda rows."""
+    from hpcpipe.sweep.blocking import KERNEL_COSTS, SweepCost
+
+    bx, by, nz = shape
+    design, seconds = [], []
+    for r in rows:
+        zb, ab = r["z_block"], r["angle_block"]
+        tasks = 8 * (nz // zb) * (r["directions"] // ab)
+        design.append([tasks, tasks * (bx + by + zb - 2), tasks * bx * by * zb * ab * groups])
+        seconds.append(r["sweep_ms"] * 1e-3)
+    (task, plane, unknown), *_ = np.linalg.lstsq(np.array(design), np.array(seconds), rcond=None)
+    built_in = KERNEL_COSTS["cuda"]
+    return SweepCost(
+        per_unknown=max(0.0, float(unknown)),
+        per_task=max(0.0, float(task)),
+        per_plane=max(0.0, float(plane)),
+        message=built_in.message,
+        per_byte=built_in.per_byte,
+        copy_per_byte=built_in.copy_per_byte,
+    )
+
+
 def sweep(args: argparse.Namespace) -> None:
+    from hpcpipe.bench.harness import machine
+    from hpcpipe.bench.table import Column, Report, provenance
+    from hpcpipe.sweep.blocking import KERNEL_COSTS, predict_makespan
+    from hpcpipe.sweep.kernel import resolve_kernel
+    from hpcpipe.sweep.mesh import build_problem
     from hpcpipe.sweep.problems import kripke_config
 
     comm = MPI.COMM_WORLD
+    info = machine(comm)
     device = make_backend("cuda", "float64", comm.rank, "off")
     name = os.environ.get(TEST_ARRAY_MODULE_ENV) or "cupy"
     xp = importlib.import_module(name)
     assert device.xp is xp
+    try:  # the GPU's name for the report (CuPy's; a stand-in module may not have it)
+        name = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
+        info["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+        info["cupy"] = xp.__version__
+    except (AttributeError, KeyError, RuntimeError):
+        pass
     cfg = kripke_config(args.n, px=comm.size)
-    rows = []
-    for label, mod in (("gpu", xp), ("cpu", np)):
-        if label == "cpu" and args.no_cpu:
-            continue
-        row = _sweep_time(cfg, comm, mod, args.sweeps)
-        row["device"] = label
-        rows.append(row)
-        if comm.rank == 0:
-            print(
-                f"sweep n={args.n} ranks={comm.size} device={label} "
-                f"sweep_s={row['sweep_s']:.4f} grind_ns={row['grind_ns']:.3f}",
-                flush=True,
+    directions = build_problem(cfg).quadrature.per_octant
+    fits = [(z, a) for z, a in BLOCKINGS if z < args.n and args.n % max(z, 1) == 0]
+    cases = [("GPU", xp, "auto", b) for b in (fits if comm.size == 1 else fits[:1])]
+    cases.append(("GPU, numpy", xp, "numpy", (0, 0)))
+    if not args.no_cpu:
+        cases.append(("CPU", np, "auto", (0, 0)))
+    report = Report(
+        "sweep_gpu",
+        [
+            f"Kripke's problem ({args.n}^3 zones, S8: 80 directions, 8 groups, 3 materials, "
+            "diamond difference with the fix-up), one sweep from phi = 0, "
+            f"{comm.size} rank(s) on {info.get('gpu', 'the GPU')}; medians of {args.sweeps} "
+            "sweeps after one warm-up",
+            "grind = sweep wall time / unknowns of the whole problem (as Kripke prints it), "
+            "core = grind x ranks; blocking 0 = whole (one task per octant); model = the KBA "
+            "cost model's sweep time, its cuda costs fitted to the cuda rows",
+        ],
+        [
+            Column("case", "case", "", 16, "<"),
+            Column("ranks", "ranks", "d", 5),
+            Column("z_block", "zblk", "d", 4),
+            Column("angle_block", "ablk", "d", 4),
+            Column("kernel", "kernel", "", 6, "<"),
+            Column("sweep_ms", "sweep ms", ".3f", 9),
+            Column("grind_ns", "grind ns", ".3f", 8),
+            Column("core_ns", "core ns", ".3f", 8),
+            Column("model_ms", "model ms", ".3f", 8),
+        ],
+        params={"n": args.n, "sweeps": args.sweeps, "ranks": comm.size},
+        stream=comm.rank == 0,
+    )
+    report.start()
+    for label, mod, kernel, blocking in cases:
+        zb, ab = blocking
+        run_cfg = dataclasses.replace(cfg, kernel=kernel)
+        row = {"case": label, "kernel": resolve_kernel(kernel, mod), "directions": directions}
+        row.update(_sweep_time(run_cfg, comm, mod, args.sweeps, (zb or args.n, ab or directions)))
+        report.add(row)
+    cuda_rows = [r for r in report.rows if r["kernel"] == "cuda"]
+    shape = (args.n // comm.size, args.n, args.n)
+    if len(cuda_rows) >= 3:
+        fitted = _fit_cuda(cuda_rows, shape, 8)
+        for r in cuda_rows:
+            r["model_ms"] = 1e3 * predict_makespan(
+                comm.size, 1, shape, directions, 8, r["z_block"], r["angle_block"], fitted
             )
+        built = KERNEL_COSTS["cuda"]
+        report.summary["fitted_cuda_cost"] = fitted.__dict__
+        report.note(
+            f"cuda cost model fitted to the {len(cuda_rows)} cuda rows: "
+            f"{fitted.per_task * 1e6:.1f} us per task + {fitted.per_plane * 1e6:.2f} us per "
+            f"hyperplane + {fitted.per_unknown * 1e12:.2f} ps per unknown (built-in: "
+            f"{built.per_task * 1e6:.0f} us + {built.per_plane * 1e6:.1f} us + "
+            f"{built.per_unknown * 1e12:.0f} ps)"
+        )
+    by_case = {r["case"]: r for r in report.rows}
+    whole = report.rows[0]  # the default kernel, whole octants
+    for other, key in (("GPU, numpy", "speedup_over_numpy_on_gpu"), ("CPU", "speedup_over_cpu")):
+        if other in by_case:
+            ratio = by_case[other]["sweep_ms"] / whole["sweep_ms"]
+            report.summary[key] = ratio
+            report.note(
+                f"sweep time of {other} ({by_case[other]['kernel']} kernel) / GPU "
+                f"({whole['kernel']} kernel), whole octants: {ratio:.3g}"
+            )
+    report.finish()
     if comm.rank == 0 and args.json:
-        out = {"benchmark": "sweep-gpu", "n": args.n, "groups": 8, "order": 8, "rows": rows}
-        if len(rows) == 2:
-            out["gpu_speedup"] = rows[1]["sweep_s"] / rows[0]["sweep_s"]
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        measured = provenance(ROOT)
+        if measured.get("commit") is None and args.commit:  # a copy of the tree without .git
+            measured = {**measured, "commit": args.commit, "dirty": None}
+        report.write(args.json, command=args.command or " ".join(sys.argv),
+                     machine=info, measured=measured)  # fmt: skip
 
 
 def main() -> int:
@@ -128,6 +229,8 @@ def main() -> int:
     s.add_argument("--sweeps", type=int, default=3)
     s.add_argument("--no-cpu", action="store_true", help="skip the CPU comparison")
     s.add_argument("--json", default=None)
+    s.add_argument("--commit", default=None, help="the commit measured, where git is absent")
+    s.add_argument("--command", default=None, help="the command to record (default: argv)")
     args = parser.parse_args()
     {"p2p": p2p, "sweep": sweep}[args.what](args)
     return 0

@@ -263,8 +263,9 @@ for name in ("sweep_1rank", "sweep_2ranks"):
     rep = results.get(name)
     if isinstance(rep, dict):
         for r in rep.get("rows", []):
-            lines.append(f"  {name} {r['device']}: grind {r['grind_ns']:.3f} ns, "
-                         f"sweep {r['sweep_s']:.3f} s")
+            lines.append(f"  {name} {r['case']} ({r['kernel']}, blocks {r['z_block']}x"
+                         f"{r['angle_block']}): grind {r['grind_ns']:.3f} ns, "
+                         f"sweep {r['sweep_ms']:.3f} ms")
 (out / "summary.txt").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF

@@ -105,6 +105,46 @@ def test_moe_layer_on_the_device_equals_numpy(gpu):
         np.testing.assert_allclose(res["device"][2][k], v, rtol=1e-9, atol=1e-12, err_msg=k)
 
 
+@pytest.mark.parametrize(("scheme", "fixup"), [("dd", True), ("step", False)])
+def test_cuda_sweep_kernel_equals_the_numpy_kernel_on_the_device(gpu, scheme, fixup):
+    """One launch per block against the hyperplane kernel on the same CuPy arrays: every
+    outgoing face bit for bit, phi to the last bit of a sum; blocks with more (j, k) rows than
+    a thread block has threads, starting inside the z range, every octant, the fix-up firing."""
+    from hpcpipe.sweep.kernel import angle_block, block_order, sweep_block
+    from hpcpipe.sweep.quadrature import level_symmetric
+
+    quad = level_symmetric(6)
+    shape, nz, groups = (9, 40, 30), 60, 3
+    cells = shape[0] * shape[1] * nz
+    rng = np.random.default_rng(11)
+    q = cupy.asarray(rng.random((cells, groups)))
+    sigma_t = cupy.asarray(rng.choice([0.5, 9.0, 20.0], (cells, groups)))
+    outs = {}
+    for kernel in ("numpy", "cuda"):
+        phi = cupy.zeros((cells, groups))
+        faces = []
+        for octant in range(8):
+            order = block_order(cupy, shape, nz, octant, kernel)
+            angles = angle_block(cupy, quad, 0, quad.per_octant, (0.4, 0.3, 0.2), scheme)
+            for z0 in (0, 30):
+                seed = np.random.default_rng(octant * 100 + z0)
+                fx, fy, fz = (
+                    cupy.asarray(seed.random((n, quad.per_octant, groups)))
+                    for n in (shape[1] * shape[2], shape[0] * shape[2], shape[0] * shape[1])
+                )
+                sweep_block(
+                    cupy, order, z0, angles, q, sigma_t, phi, fx, fy, fz, scheme, fixup, kernel
+                )
+                faces += [cupy.asnumpy(f) for f in (fx, fy, fz)]
+        outs[kernel] = (cupy.asnumpy(phi), faces)
+    (want_phi, want), (phi, got) = outs["numpy"], outs["cuda"]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(phi, want_phi, rtol=1e-14, atol=0)
+    if fixup:  # it fired: a fixed face is exactly 0 (random incoming faces never are)
+        assert any((f == 0.0).any() for f in want)
+
+
 def test_sweep_on_the_device_equals_numpy_to_round_off(gpu):
     from pathlib import Path
 

@@ -134,8 +134,8 @@ def test_a_deck_with_zero_gets_the_models_blocking():
     assert one_at_a_time.z_block < 32  # the same corner on both ranks: pipelined, not whole
     assert one_at_a_time.seconds > blocking.seconds
     assert blocking.kernel == "numba" and "numba kernel" in describe_blocking(blocking)
-    gpu = blocking_for(cfg, problem, device="cuda")  # the deck's auto runs the NumPy kernel there
-    assert gpu.kernel == "numpy"
+    gpu = blocking_for(cfg, problem, device="cuda")  # the deck's auto runs the cuda kernel there
+    assert gpu.kernel == "cuda" and "cuda kernel" in describe_blocking(gpu)
     numpy = blocking_for(cfg, problem, "numpy")
     assert numpy.seconds > blocking.seconds  # the NumPy kernel's costs
 

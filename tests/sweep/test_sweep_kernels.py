@@ -4,8 +4,10 @@ the fix-up firing; and the deck's `kernel` key resolves as documented. One proce
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import cuda_emulation
 import numpy as np
 import pytest
 
@@ -35,9 +37,10 @@ THICK = SweepConfig(
 )
 
 
-def _sweep_blocks(problem, kernel: str, fixup: bool, scheme: str):
+def _sweep_blocks(problem, kernel: str, fixup: bool, scheme: str, xp=np):
     """All octants over the rank's z range in two z-blocks and two angle blocks (z0 > 0 for
-    the second block); returns phi and every block's outgoing faces."""
+    the second block); returns phi and every block's outgoing faces. `xp` is what the kernel
+    is handed (the arrays are NumPy's)."""
     nx, ny, nz = problem.mesh.shape
     cells = LocalCells(problem)
     rng = np.random.default_rng(7)
@@ -56,7 +59,7 @@ def _sweep_blocks(problem, kernel: str, fixup: bool, scheme: str):
                 fx = rng.random((ny * (nz // 2), *shape))
                 fy = rng.random((nx * (nz // 2), *shape))
                 sweep_block(
-                    np, order, z0, angles, q, cells.sigma_t, phi, fx, fy, fz, scheme, fixup, kernel
+                    xp, order, z0, angles, q, cells.sigma_t, phi, fx, fy, fz, scheme, fixup, kernel
                 )
                 faces += [fx, fy, fz.copy()]
     return phi, faces
@@ -75,11 +78,32 @@ def test_compiled_kernel_equals_numpy_kernel(scheme, fixup):
         assert (negative >= 0) if fixup else (negative < 0)  # the fix-up did fire
 
 
+@pytest.mark.parametrize(("scheme", "fixup"), [("dd", True), ("dd", False), ("step", False)])
+def test_cuda_kernel_source_equals_numpy_kernel_run_on_the_host(scheme, fixup):
+    """The CUDA kernel's source, compiled for the host (tests/sweep/cuda_emulation.py), through
+    cuda_kernel.py's own wrapper: every face bit for bit, phi to the last bit of a sum."""
+    if cuda_emulation.compiler() is None:
+        if os.environ.get("CI"):  # CI installs one: its absence is a broken lane, not a skip
+            pytest.fail("CI must check the CUDA kernel's source: no C++ compiler found")
+        pytest.skip("no C++ compiler to run the CUDA kernel's source on the host")
+    problem = build_problem(THICK)
+    ref_phi, ref_faces = _sweep_blocks(problem, "numpy", fixup, scheme)
+    emulated = cuda_emulation.HostEmulation()
+    phi, faces = _sweep_blocks(problem, "cuda", fixup, scheme, xp=emulated)
+    for got, want in zip(faces, ref_faces, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(phi, ref_phi, rtol=1e-14, atol=0)
+
+
 def test_auto_kernel_is_numba_when_installed_else_numpy(monkeypatch):
     assert compiled.available()  # a core dependency: CI and the quick start have it
     assert resolve_kernel("auto") == "numba"
     assert resolve_kernel("numpy") == "numpy"
-    assert resolve_kernel("auto", xp=object()) == "numpy"  # device arrays: the array kernel
+    assert resolve_kernel("auto", xp=object()) == "numpy"  # a stand-in for CuPy: array kernel
+    assert resolve_kernel("auto", xp=None) == "cuda"  # a GPU run being planned
+    assert resolve_kernel("cuda", xp=None) == "cuda"
+    with pytest.raises(ValueError, match="the cuda kernel runs on CuPy arrays"):
+        resolve_kernel("cuda")
     monkeypatch.setattr("hpcpipe.sweep.kernel.compiled_available", lambda: False)
     assert resolve_kernel("auto") == "numpy"
     with pytest.raises(ValueError, match="numba is not installed here: pip install numba"):
@@ -95,6 +119,11 @@ def test_deck_kernel_errors_name_the_key(monkeypatch):
     monkeypatch.setattr("hpcpipe.sweep.kernel.compiled_available", lambda: False)
     with pytest.raises(ConfigError, match="numba is not installed"):
         check_kernel(config.sweep, "cpu", config.source)
+    config = load_config(TINY, ["sweep.kernel=cuda"])
+    check_kernel(config.sweep, "cuda", config.source)  # a GPU run: fine
+    with pytest.raises(ConfigError) as info:
+        check_kernel(config.sweep, "cpu", config.source)
+    assert info.value.key == "sweep.kernel" and "runs on CuPy arrays" in str(info.value)
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["sweep.kernel=fortran"])
     assert info.value.key == "sweep.kernel"
