@@ -7,7 +7,8 @@ depends only on the same element of its upwind cells), so each gets a thread blo
 threads take the block's (j, k) rows and walk the hyperplanes I + J + K = h in order, with a
 barrier between planes. A row has one cell per plane, so the face arrays are updated in place
 exactly as kernel.py does. The cell values go to a scratch array and a second launch adds
-w . psi to phi, summing the directions in order (no atomics: the same phi on every run).
+w . psi to phi, summing the directions in order (no atomics: the same phi on every run); a
+block too large for the scratch goes a few directions per launch pair.
 
 Each element is computed in kernel.py's order of operations, compiled without fused
 multiply-adds, so psi and every face equal the NumPy kernel's bit for bit (the fix-up too:
@@ -26,14 +27,14 @@ __all__ = ["runs_on", "sweep_block_cuda"]
 _SOURCE = r"""
 extern "C" __global__ void sweep_block(
     const int bx, const int by, const int bz, const int nz, const int z0,
-    const int sx, const int sy, const int sz, const int ne, const int groups,
+    const int sx, const int sy, const int sz, const int ne, const int e0, const int groups,
     const double* __restrict__ cx, const double* __restrict__ cy,
     const double* __restrict__ cz, const double* __restrict__ total,
     const double* __restrict__ q, const double* __restrict__ sigma_t,
     double* fx, double* fy, double* fz, double* __restrict__ psi_out,
     const int dd, const int fixup)
 {
-    const int e = blockIdx.x;               // (direction, group) element of the angle block
+    const int e = e0 + blockIdx.x;          // (direction, group) element of the angle block
     const int a = e / groups;
     const int g = e - a * groups;
     const double kx = cx[a], ky = cy[a], kz = cz[a], kt = total[a];
@@ -89,7 +90,7 @@ extern "C" __global__ void sweep_block(
                 ox = p; oy = p; oz = p;
             }
             fx[rx] = ox; fy[ry] = oy; fz[rz] = oz;
-            psi_out[((long)((i * by + j) * bz + k)) * ne + e] = p;
+            psi_out[((long)((i * by + j) * bz + k)) * gridDim.x + blockIdx.x] = p;
         }
         __syncthreads();
     }
@@ -101,7 +102,7 @@ extern "C" __global__ void add_to_phi(
     const double* __restrict__ psi, double* phi)
 {
     const long n = (long)bx * by * bz * groups;
-    const int ne = directions * groups;
+    const int ne = directions * groups;      // the launch's elements: psi's row length
     for (long t = blockIdx.x * (long)blockDim.x + threadIdx.x; t < n;
          t += (long)gridDim.x * blockDim.x) {
         const long local = t / groups;
@@ -118,6 +119,11 @@ extern "C" __global__ void add_to_phi(
 """
 
 _OPTIONS = ("--fmad=false",)  # kernel.py's roundings: no fused multiply-adds
+
+SCRATCH_VALUES = 1 << 25
+"""Most cell values (float64) one launch keeps for phi: 256 MiB. A block with more cells x
+directions x groups is swept a few directions at a time (Kripke's problem, whole octants:
+2.6 M, one launch)."""
 
 _modules: dict[str, Any] = {}  # per array module: CuPy (and the tests' host emulation)
 
@@ -169,22 +175,28 @@ def sweep_block_cuda(
     for name, array in zip(("x faces", "y faces", "z faces"), faces, strict=True):
         _contiguous_f64(name, array)
     module = _kernels(xp)
+    cells = bx * by * bz
     ne = directions * groups
-    psi = xp.empty(bx * by * bz * ne, dtype=np.float64)
-    rows = by * bz
-    threads = min(1024, max(32, -(-rows // 32) * 32))
+    # directions per launch: the scratch psi (cells x their elements) stays within
+    # SCRATCH_VALUES; each launch's are added to phi in order, so the split is deterministic
+    per_launch = max(1, min(directions, SCRATCH_VALUES // max(1, cells * groups)))
+    psi = xp.empty(cells * per_launch * groups, dtype=np.float64)
+    threads = min(1024, max(32, -(-(by * bz) // 32) * 32))
     i32 = np.int32
-    module.get_function("sweep_block")(
-        (ne,),
-        (threads,),
-        (
-            *(i32(v) for v in (bx, by, bz, nz, z0, *signs, ne, groups)),
-            cx, cy, cz, total, q, sigma_t, fx, fy, fz, psi, i32(dd), i32(fixup),
-        ),
-    )  # fmt: skip
-    n = bx * by * bz * groups
-    module.get_function("add_to_phi")(
-        (min(4096, -(-n // 256)),),
-        (256,),
-        (*(i32(v) for v in (bx, by, bz, nz, z0, directions, groups)), w, psi, phi),
-    )
+    sweep, add = module.get_function("sweep_block"), module.get_function("add_to_phi")
+    n = cells * groups
+    for a0 in range(0, directions, per_launch):
+        count = min(per_launch, directions - a0)
+        sweep(
+            (count * groups,),
+            (threads,),
+            (
+                *(i32(v) for v in (bx, by, bz, nz, z0, *signs, ne, a0 * groups, groups)),
+                cx, cy, cz, total, q, sigma_t, fx, fy, fz, psi, i32(dd), i32(fixup),
+            ),
+        )  # fmt: skip
+        add(
+            (min(4096, -(-n // 256)),),
+            (256,),
+            (*(i32(v) for v in (bx, by, bz, nz, z0, count, groups)), w[a0:], psi, phi),
+        )
