@@ -5,10 +5,12 @@ stages and free communication. The search builds schedules for the deck's own co
 
 1. **Greedy list scheduling under a memory cap** (`listsched`) on both placements, one stage
    per rank and the V shape (rank r holds stages r and 2p-1-r), for a grid of policies: how
-   long W may be deferred, which of a V rank's two backwards goes first, and the warm-up depth
-   (the most microbatches a rank may hold at once).
+   long W may be deferred, which of a V rank's two backwards goes first, whether its
+   second-chunk forwards go before its first-chunk backwards, how many second chunks it keeps
+   room for, and the warm-up depth (the most microbatches a rank may hold at once).
 2. **Local improvement.** From the best few policies, coordinate descent on each rank's own
-   warm-up depth and on the W deferral, keeping a change only when the makespan drops.
+   warm-up depth, the W deferral and the V rules, keeping a change only when the makespan
+   drops.
 3. **Seeds.** Every fixed schedule that fits the budget joins the pool, so the result is never
    slower than the best of them under the same costs.
 4. **Refinement.** The fastest few of the pool are improved under the deck's costs by moving
