@@ -13,32 +13,31 @@ What makes these loops fast, each found by measurement:
 - The loop nest `_walk` is written once and inlined with each scheme's cell functions
   (`inline="always"`), so no loop branches on the scheme per element.
 - The fix-up: in Kripke's problem a quarter of the cells have a negative outgoing face
-  somewhere (and a third of those cells' elements). With the fix-up on, a cell is solved in
-  one pass that writes its outgoing faces, keeps the incoming ones in a scratch row and ORs
-  the outgoing faces' bits (`_bits`), negative exactly when some face had its sign bit set: a
-  clean cell is then done, as fast as without the fix-up but for three stores and three ORs
-  per element (one pass instead of a solve pass and a write pass took the fix-up from 1.73x to
-  1.58x the kernel without it; an OR of the bits instead of counting the negative faces, which
-  compares, widens and adds, from 1.58x to 1.49x). A cell with a negative face runs the first
-  fix-up round on all its elements at once, branch-free, from the kept incoming faces, keeping
-  the plain values where no face was negative; the rare cells with an element still negative
-  after that round run all three rounds (`_fixup_rounds`), which give what kernel._fixup's
-  early exit gives. That round, a second division and a dozen selects per element over a
-  quarter of the cells, is the rest of the fix-up's cost (the keep pass alone costs 7%; a
-  round that only re-solves the cell, one division and no selects, would already cost 25%).
-  Nothing in the loops calls a function: a call, even one never made, slows down the loops
-  around it.
-- What did not pay, measured on Kripke's problem: a cell that needs the fix-up has a third of
-  its directions negative (all groups of such a direction, no fixed subset of directions), so
-  fixing only chunks holding a negative element would do half the work; but a loop shorter
-  than LLVM's unrolled vector body (16 elements here) runs scalar, a chunk bounded with min()
-  is not vectorised at all, and per-element flags stored by the solve pass cost it 10-25%.
-  Chunked fix-ups (8, 16 or 40 elements) took the fix-up from 1.55x to 1.67-2.08x; a cell
+  somewhere, and in those a third of the elements (all groups of a third of the directions).
+  Where a cell's A*G elements are a multiple of 4, the fix-up path works on vectors of 4
+  (`_V4`), written as LLVM IR through numba intrinsics: the keep pass (`_keep4`) solves a
+  vector, writes its outgoing faces, keeps its incoming ones in a scratch row and sets the
+  vector's bit in `marks` when one of its outgoing faces is < 0. A clean cell is then done;
+  a cell with bits set runs the first fix-up round on those vectors only (`_fix4`, the loop
+  taking the set bits lowest first: it branches once per cell, not once per vector), and a
+  vector still negative after it takes the other two rounds on its 4 elements
+  (`_fixup_rounds`), which give what kernel._fixup's early exit gives. Measured on Kripke's
+  problem (`hpcpipe bench sweep`, three interleaved pairs of runs): 1.23-1.28x the kernel
+  without the fix-up, against 1.39-1.47x for a first round on all the cell's elements
+  (`_dd_keep` and `_dd_fixup`, the path of other element counts; its keep pass ORs the
+  faces' sign bits, `_bits`). Nothing in the loops calls a function: a call, even one never
+  made, slows down the loops around it.
+- Why vectors written by hand, and why 4: a loop shorter than LLVM's unrolled vector body (16
+  elements here) runs scalar, a chunk bounded with min() is not vectorised at all, and a cell
   loop over directions with a constant 8-group inner loop is unrolled into scalar code (LLVM
-  cannot prove the face rows apart, so it packs nothing): 2.3x. Predicting the cells to fix
-  from the previous iteration (80% right) and solving those in one fused solve-and-fix pass
-  slowed every other cell as well, the walk grown by one more inlined pass: 2.0x. A float
-  min of the faces, one test instead of three, does not vectorise (1.58x became 2.3x).
+  cannot prove the face rows apart); those chunked fix-ups measured 1.67-2.3x. Vectors of 8
+  read what the keep pass (LLVM's loop, 4-wide stores even on AVX-512) had just written two
+  stores per load, which waits for both to retire: the mask alone then cost as much as the
+  round, 1.45x in all. Per-element flags stored by the solve pass cost it 10-25%.
+- What else did not pay: predicting the cells to fix from the previous iteration (80% right)
+  and solving those in one fused solve-and-fix pass slowed every other cell as well, the walk
+  grown by one more inlined pass: 2.0x. A float min of the faces, one test instead of three,
+  does not vectorise (1.58x became 2.3x).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["sweep_block_loops"]
@@ -66,8 +66,8 @@ def _bits(typingctx, x):  # pragma: no cover (JIT)
 
 
 # Cell functions share one signature: the expanded coefficients (A*G each), the cell's expanded
-# source and cross section (A*G), the flat face arrays (rows, A*G) with the cell's rows, and the
-# scratch psi (A*G) and inc (3, A*G).
+# source and cross section (A*G), the flat face arrays (rows, A*G) with the cell's rows, the
+# scratch psi (A*G) and inc (3, A*G), and `marks` (the vector path's bits, int64 words).
 
 
 @njit(**_JIT, inline="always")
@@ -82,7 +82,7 @@ def _psi(kx, ky, kz, kt, qe, se, e, ix, iy, iz):  # pragma: no cover (JIT)
 
 
 @njit(**_JIT, inline="always")
-def _dd(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover (JIT)
+def _dd(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover (JIT)
     """Diamond difference without the fix-up: solve and write the outgoing faces."""
     for e in range(psi.size):
         ix, iy, iz = fx[rx, e], fy[ry, e], fz[rz, e]
@@ -96,7 +96,7 @@ def _dd(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no
 
 
 @njit(**_JIT, inline="always")
-def _dd_keep(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+def _dd_keep(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
     """Diamond difference writing the outgoing faces, the incoming ones kept in `inc`: psi,
     and whether an outgoing face has its sign bit set (such a cell goes to `_dd_fixup`)."""
     neg = 0
@@ -117,7 +117,7 @@ def _dd_keep(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragm
 
 
 @njit(**_JIT, inline="always")
-def _dd_fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+def _dd_fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
     """A cell `_dd_keep` found a negative face in: the first fix-up round for every element
     (elements with no negative face keep their plain values), from the incoming faces in
     `inc`, which `_fixup_rounds` also uses should an element still be negative after it."""
@@ -138,7 +138,155 @@ def _dd_fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # prag
         fy[ry, e] = fy1
         fz[rz, e] = fz1
     if still < 0:  # rare: fixing one face made another one negative
-        _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
+        _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, 0, psi.size)
+
+
+_V4 = ir.VectorType(ir.DoubleType(), 4)
+"""The vectors of the fix-up path: 4 elements, the width LLVM's vectorised loops store with on
+AVX-512 machines too (a load of 8 over two stores of 4 would wait for both to retire)."""
+
+
+def _lanes(context, builder, aryty, ary, indices):
+    """A <4 x double>* at ary[indices] (the 4 consecutive elements from there)."""
+    arr = context.make_array(aryty)(context, builder, ary)
+    ptr = cgutils.get_item_pointer(context, builder, aryty, arr, indices, wraparound=False)
+    return builder.bitcast(ptr, _V4.as_pointer())
+
+
+@intrinsic
+def _fix4(typingctx, kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e):  # pragma: no cover
+    """`_dd_fixup`'s loop body for the 4 elements from e, as vectors: the same operations in
+    the same order, so the same values lane for lane. Returns the OR of the new faces' bits
+    (< 0: some face is still negative)."""
+
+    def codegen(context, builder, signature, args):
+        kinds, e = signature.args, args[13]
+
+        def at(i, *index):  # the 4 elements of argument i from index
+            return _lanes(context, builder, kinds[i], args[i], list(index))
+
+        def load(ptr):
+            return builder.load(ptr, align=8)
+
+        zero, half, two = (ir.Constant(_V4, [x] * 4) for x in (0.0, 0.5, 2.0))
+        coeffs = [load(at(i, e)) for i in (0, 1, 2)]
+        den, num = load(at(4, e)), load(at(3, e))  # sigma_t, source
+        incoming = [load(at(12, context.get_constant(types.intp, r), e)) for r in range(3)]
+        face_ptrs = [at(i, args[i + 1], e) for i in (5, 7, 9)]
+        outgoing = [load(ptr) for ptr in face_ptrs]
+        negative = [builder.fcmp_ordered("<", o, zero) for o in outgoing]
+        for n, k, a in zip(negative, coeffs, incoming, strict=True):  # _rebalance
+            den = builder.fadd(den, builder.select(n, zero, k))
+            num = builder.fadd(num, builder.fmul(builder.select(n, builder.fmul(half, k), k), a))
+        cell = builder.fdiv(num, den)
+        twice = builder.fmul(two, cell)
+        bad = builder.or_(builder.or_(negative[0], negative[1]), negative[2])
+        bits = ir.Constant(ir.VectorType(ir.IntType(64), 4), [0] * 4)
+        for n, a, o, ptr in zip(negative, incoming, outgoing, face_ptrs, strict=True):
+            new = builder.select(bad, builder.select(n, zero, builder.fsub(twice, a)), o)
+            builder.store(new, ptr, align=8)
+            bits = builder.or_(bits, builder.bitcast(new, bits.type))
+        psi_ptr = at(11, e)
+        builder.store(builder.select(bad, cell, load(psi_ptr)), psi_ptr, align=8)
+        lanes = [builder.extract_element(bits, ir.Constant(ir.IntType(32), i)) for i in range(4)]
+        out = lanes[0]
+        for lane in lanes[1:]:
+            out = builder.or_(out, lane)
+        return out
+
+    return types.int64(kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e), codegen
+
+
+@intrinsic
+def _keep4(
+    typingctx, kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e
+):  # pragma: no cover
+    """`_dd_keep`'s loop body for the 4 elements from e, as vectors; returns whether one of
+    their outgoing faces is < 0."""
+
+    def codegen(context, builder, signature, args):
+        kinds, e = signature.args, args[14]
+
+        def at(i, *index):
+            return _lanes(context, builder, kinds[i], args[i], list(index))
+
+        def load(ptr):
+            return builder.load(ptr, align=8)
+
+        zero = ir.Constant(_V4, [0.0] * 4)
+        k1, k2, k3, kt_, src, sig = (load(at(i, e)) for i in range(6))
+        face_ptrs = [at(i, args[i + 1], e) for i in (6, 8, 10)]
+        ix, iy, iz = (load(ptr) for ptr in face_ptrs)
+        p = builder.fmul(k1, ix)
+        p = builder.fadd(p, src)
+        p = builder.fadd(p, builder.fmul(k2, iy))
+        p = builder.fadd(p, builder.fmul(k3, iz))
+        p = builder.fdiv(p, builder.fadd(sig, kt_))
+        builder.store(p, at(12, e), align=8)
+        two = builder.fadd(p, p)
+        neg = None
+        for r, (a, ptr) in enumerate(zip((ix, iy, iz), face_ptrs, strict=True)):
+            builder.store(a, at(13, context.get_constant(types.intp, r), e), align=8)
+            o = builder.fsub(two, a)
+            builder.store(o, ptr, align=8)
+            lt = builder.fcmp_ordered("<", o, zero)
+            neg = lt if neg is None else builder.or_(neg, lt)
+        packed = builder.bitcast(neg, ir.IntType(4))
+        return builder.zext(
+            builder.icmp_unsigned("!=", packed, ir.Constant(ir.IntType(4), 0)), ir.IntType(64)
+        )
+
+    return types.int64(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e), codegen
+
+
+@intrinsic
+def _low_bit(typingctx, m):  # pragma: no cover (JIT)
+    """Index of the lowest set bit of m > 0 (llvm.cttz)."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
+        fn = builder.module.declare_intrinsic("llvm.cttz", [i64], fnty)
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 1)])
+
+    return types.int64(m), codegen
+
+
+@njit(**_JIT, inline="always")
+def _dd_keep4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
+    """`_dd_keep` by vectors of 4 elements: each vector's bit in `marks` (63 to a word) says
+    whether one of its outgoing faces is < 0; returns whether any is."""
+    any_bad = 0
+    vectors = psi.size // 4
+    for word in range(marks.size):
+        m = 0
+        first = word * 63
+        for c in range(first, min(vectors, first + 63)):
+            bad = _keep4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, c * 4)
+            m |= bad << (c - first)
+        marks[word] = m
+        any_bad |= m
+    return any_bad != 0
+
+
+@njit(**_JIT, inline="always")
+def _dd_fixup4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
+    """The first fix-up round for the vectors `_dd_keep4` marked, the other rounds for those
+    still negative after it (`_fixup_rounds` on their elements only)."""
+    for word in range(marks.size):
+        m = marks[word]
+        still = 0
+        while m:
+            c = _low_bit(m)
+            m &= m - 1
+            e = (word * 63 + c) * 4
+            bits = _fix4(kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e)
+            still |= np.int64(bits < 0) << c
+        while still:  # rare: fixing one face made another one negative
+            c = _low_bit(still)
+            still &= still - 1
+            e = (word * 63 + c) * 4
+            _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e, e + 4)
 
 
 @njit(**_JIT, inline="always")
@@ -162,11 +310,13 @@ def _rebalance(k1, k2, k3, src, sig, ax, ay, az, nx, ny, nz):  # pragma: no cove
 
 
 @njit(**_JIT, inline="always")
-def _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+def _fixup_rounds(
+    kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e0, e1
+):  # pragma: no cover
     """All three rounds for every element that had a negative face, from the incoming faces
     in `inc`, branch-free like `_dd_fixup`. A round that fixes no new face repeats the one
     before exactly, so three rounds give what kernel._fixup's early exit gives."""
-    for e in range(psi.size):
+    for e in range(e0, e1):
         ax, ay, az = inc[0, e], inc[1, e], inc[2, e]
         k1, k2, k3 = kx[e], ky[e], kz[e]
         p = _psi(kx, ky, kz, kt, qe, se, e, ax, ay, az)
@@ -182,7 +332,9 @@ def _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # 
 
 
 @njit(**_JIT, inline="always")
-def _step(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover (JIT)
+def _step(
+    kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks
+):  # pragma: no cover (JIT)
     """The step scheme: every outgoing face is the cell value."""
     for e in range(psi.size):
         p = _psi(kx, ky, kz, kt, qe, se, e, fx[rx, e], fy[ry, e], fz[rz, e])
@@ -194,7 +346,7 @@ def _step(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: 
 
 
 @njit(**_JIT, inline="always")
-def _nothing(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+def _nothing(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
     """The faces are already written (schemes that write as they solve, or never fix up)."""
 
 
@@ -218,6 +370,7 @@ def _walk(
             kx[e], ky[e], kz[e], kt[e] = cx[a], cy[a], cz[a], total[a]
     psi, qe, se = np.empty(n_e), np.empty(n_e), np.empty(n_e)
     inc = np.empty((3, n_e))
+    marks = np.zeros(max(1, -(-(n_e // 4) // 63)), dtype=np.int64)  # _dd_keep4's, 63 a word
     acc = np.empty(n_g)
     for ii in range(i0, i1):
         i = ii if sx > 0 else bx - 1 - ii
@@ -233,10 +386,10 @@ def _walk(
                     for g in range(n_g):
                         qe[a * n_g + g] = q[c, g]
                         se[a * n_g + g] = st[c, g]
-                if solve(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):
-                    fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
+                if solve(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):
+                    fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks)
                 else:
-                    finish(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
+                    finish(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks)
                 for g in range(n_g):
                     acc[g] = 0.0
                 for a in range(n_a):
@@ -258,6 +411,11 @@ def sweep_block_loops(
         _walk(
             _step, _nothing, _nothing, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy, cz,
             total, w, q, st, phi, fx, fy, fz,
+        )  # fmt: skip
+    elif fix and (fx.shape[1] * fx.shape[2]) % 4 == 0:
+        _walk(
+            _dd_keep4, _nothing, _dd_fixup4, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy,
+            cz, total, w, q, st, phi, fx, fy, fz,
         )  # fmt: skip
     elif fix:
         _walk(
