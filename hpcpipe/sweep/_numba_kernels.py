@@ -138,7 +138,7 @@ def _dd_fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks): 
         fy[ry, e] = fy1
         fz[rz, e] = fz1
     if still < 0:  # rare: fixing one face made another one negative
-        _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, 0, psi.size)
+        _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
 
 
 _V4 = ir.VectorType(ir.DoubleType(), 4)
@@ -153,11 +153,27 @@ def _lanes(context, builder, aryty, ary, indices):
     return builder.bitcast(ptr, _V4.as_pointer())
 
 
+def _ir_rebalance(builder, negative, coeffs, incoming, sig, src):
+    """`_rebalance` on vectors (the IR of one round): the cell value and outgoing faces."""
+    zero, half, two = (ir.Constant(_V4, [x] * 4) for x in (0.0, 0.5, 2.0))
+    den, num = sig, src
+    for n, k, a in zip(negative, coeffs, incoming, strict=True):
+        den = builder.fadd(den, builder.select(n, zero, k))
+        num = builder.fadd(num, builder.fmul(builder.select(n, builder.fmul(half, k), k), a))
+    cell = builder.fdiv(num, den)
+    twice = builder.fmul(two, cell)
+    outs = [
+        builder.select(n, zero, builder.fsub(twice, a))
+        for n, a in zip(negative, incoming, strict=True)
+    ]
+    return cell, outs
+
+
 @intrinsic
 def _fix4(typingctx, kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e):  # pragma: no cover
-    """`_dd_fixup`'s loop body for the 4 elements from e, as vectors: the same operations in
-    the same order, so the same values lane for lane. Returns the OR of the new faces' bits
-    (< 0: some face is still negative)."""
+    """`_dd_fixup` and, where a face is still negative after the first round, `_fixup_rounds`
+    for the 4 elements from e, as vectors: the same operations in the same order, so the same
+    values lane for lane."""
 
     def codegen(context, builder, signature, args):
         kinds, e = signature.args, args[13]
@@ -168,33 +184,37 @@ def _fix4(typingctx, kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e):  
         def load(ptr):
             return builder.load(ptr, align=8)
 
-        zero, half, two = (ir.Constant(_V4, [x] * 4) for x in (0.0, 0.5, 2.0))
+        zero = ir.Constant(_V4, [0.0] * 4)
         coeffs = [load(at(i, e)) for i in (0, 1, 2)]
-        den, num = load(at(4, e)), load(at(3, e))  # sigma_t, source
+        src, sig = load(at(3, e)), load(at(4, e))
         incoming = [load(at(12, context.get_constant(types.intp, r), e)) for r in range(3)]
         face_ptrs = [at(i, args[i + 1], e) for i in (5, 7, 9)]
         outgoing = [load(ptr) for ptr in face_ptrs]
         negative = [builder.fcmp_ordered("<", o, zero) for o in outgoing]
-        for n, k, a in zip(negative, coeffs, incoming, strict=True):  # _rebalance
-            den = builder.fadd(den, builder.select(n, zero, k))
-            num = builder.fadd(num, builder.fmul(builder.select(n, builder.fmul(half, k), k), a))
-        cell = builder.fdiv(num, den)
-        twice = builder.fmul(two, cell)
         bad = builder.or_(builder.or_(negative[0], negative[1]), negative[2])
-        bits = ir.Constant(ir.VectorType(ir.IntType(64), 4), [0] * 4)
-        for n, a, o, ptr in zip(negative, incoming, outgoing, face_ptrs, strict=True):
-            new = builder.select(bad, builder.select(n, zero, builder.fsub(twice, a)), o)
-            builder.store(new, ptr, align=8)
-            bits = builder.or_(bits, builder.bitcast(new, bits.type))
         psi_ptr = at(11, e)
-        builder.store(builder.select(bad, cell, load(psi_ptr)), psi_ptr, align=8)
-        lanes = [builder.extract_element(bits, ir.Constant(ir.IntType(32), i)) for i in range(4)]
-        out = lanes[0]
-        for lane in lanes[1:]:
-            out = builder.or_(out, lane)
-        return out
+        cell, outs = _ir_rebalance(builder, negative, coeffs, incoming, sig, src)
 
-    return types.int64(kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e), codegen
+        def store(cell, outs):  # the elements with a negative face take the round's values
+            for new, o, ptr in zip(outs, outgoing, face_ptrs, strict=True):
+                builder.store(builder.select(bad, new, o), ptr, align=8)
+            builder.store(builder.select(bad, cell, load(psi_ptr)), psi_ptr, align=8)
+
+        store(cell, outs)
+        still = [builder.fcmp_ordered("<", o, zero) for o in outs]
+        any_still = builder.and_(builder.or_(builder.or_(still[0], still[1]), still[2]), bad)
+        packed = builder.bitcast(any_still, ir.IntType(4))
+        with cgutils.if_unlikely(builder, builder.icmp_unsigned("!=", packed, packed.type(0))):
+            for _ in range(2):  # rare: fixing one face made another one negative
+                negative = [
+                    builder.or_(n, builder.fcmp_ordered("<", o, zero))
+                    for n, o in zip(negative, outs, strict=True)
+                ]
+                cell, outs = _ir_rebalance(builder, negative, coeffs, incoming, sig, src)
+            store(cell, outs)
+        return context.get_dummy_value()
+
+    return types.none(kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e), codegen
 
 
 @intrinsic
@@ -271,22 +291,13 @@ def _dd_keep4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks): 
 
 @njit(**_JIT, inline="always")
 def _dd_fixup4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
-    """The first fix-up round for the vectors `_dd_keep4` marked, the other rounds for those
-    still negative after it (`_fixup_rounds` on their elements only)."""
+    """The fix-up for the vectors `_dd_keep4` marked (`_fix4`), lowest bit first."""
     for word in range(marks.size):
         m = marks[word]
-        still = 0
         while m:
             c = _low_bit(m)
             m &= m - 1
-            e = (word * 63 + c) * 4
-            bits = _fix4(kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e)
-            still |= np.int64(bits < 0) << c
-        while still:  # rare: fixing one face made another one negative
-            c = _low_bit(still)
-            still &= still - 1
-            e = (word * 63 + c) * 4
-            _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e, e + 4)
+            _fix4(kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, (word * 63 + c) * 4)
 
 
 @njit(**_JIT, inline="always")
@@ -310,13 +321,11 @@ def _rebalance(k1, k2, k3, src, sig, ax, ay, az, nx, ny, nz):  # pragma: no cove
 
 
 @njit(**_JIT, inline="always")
-def _fixup_rounds(
-    kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e0, e1
-):  # pragma: no cover
+def _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
     """All three rounds for every element that had a negative face, from the incoming faces
     in `inc`, branch-free like `_dd_fixup`. A round that fixes no new face repeats the one
     before exactly, so three rounds give what kernel._fixup's early exit gives."""
-    for e in range(e0, e1):
+    for e in range(psi.size):
         ax, ay, az = inc[0, e], inc[1, e], inc[2, e]
         k1, k2, k3 = kx[e], ky[e], kz[e]
         p = _psi(kx, ky, kz, kt, qe, se, e, ax, ay, az)
