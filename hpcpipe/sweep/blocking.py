@@ -73,9 +73,9 @@ class SweepCost:
 
 KERNEL_COSTS: dict[str, SweepCost] = {
     # Measured by `hpcpipe bench sweep` on Kripke's problem (2-core x86_64, MPICH 5 shared
-    # memory): numba 1.5 ns per unknown without the fix-up and 2.2 with it (a quarter of the
-    # cells fix up there); tens of microseconds around each task; NumPy about 13 ns per unknown
-    # and 25 us per hyperplane.
+    # memory): numba 1.4-1.5 ns per unknown without the fix-up and 1.9-2.0 with it (a quarter
+    # of the cells fix up there); tens of microseconds around each task; NumPy about 13 ns per
+    # unknown and 25 us per hyperplane.
     "numba": SweepCost(
         per_unknown=2.0e-9, per_task=80e-6, message=30e-6, per_byte=1 / 5e9, copy_per_byte=1 / 12e9
     ),
