@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 from hpcpipe import __version__
 from hpcpipe.config import Config, ConfigError, dump_toml, load_config
 from hpcpipe.console import say
-from hpcpipe.mpi.guard import EXIT_BAD_INPUT, abort_on_error, launcher_rank, under_launcher
+from hpcpipe.mpi.guard import (
+    EXIT_BAD_INPUT,
+    abort_on_error,
+    launcher_rank,
+    rank_zero_exits_first,
+    under_launcher,
+)
 
 if TYPE_CHECKING:  # NumPy must not load before `run` blocks the stop signals (its BLAS
     from hpcpipe.topology import RankMap  # threads would inherit an unblocked mask)
@@ -514,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hpcpipe.textsafe import printable
 
             say(printable(f"ERROR: {exc}"), err=True)
+        rank_zero_exits_first()  # the first non-zero exit may end the job: rank 0's, reported
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

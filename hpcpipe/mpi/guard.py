@@ -84,8 +84,7 @@ def abort_on_error(fn: Callable[[], T], *, bad_input: tuple[type[BaseException],
             if launcher_rank() == 0:
                 report(printable(f"ERROR: {exc}"))
             _everyone_failed()  # again: no rank exits before rank 0 has written its report
-            if launcher_rank() != 0:
-                time.sleep(REPORT_GRACE_S)
+            rank_zero_exits_first()
             sys.exit(EXIT_BAD_INPUT)
         report(printable(f"{rank_prefix()} ERROR: {exc}"))
         _abort(EXIT_BAD_INPUT)
@@ -97,9 +96,31 @@ def abort_on_error(fn: Callable[[], T], *, bad_input: tuple[type[BaseException],
 
 
 REPORT_GRACE_S = 0.2
-"""How long the other ranks wait after rank 0 reported bad input: Open MPI's mpirun tears the
-job down at the first non-zero exit, and could drop rank 0's line still in its pipe (seen in
-CI's Open MPI lane: exit 2 and no ERROR line, about once in fifty runs)."""
+"""How long the other ranks wait after rank 0 reported bad input, so that rank 0 exits first:
+Open MPI's mpirun tears the job down at the first non-zero exit, and could drop rank 0's line
+still in its pipe (seen in CI's Open MPI lane: exit 2 and no ERROR line, about once in fifty
+runs). MPI_Finalize waits for every rank (measured: MPICH and Open MPI both), so the ranks
+finalize together before this wait (`_finalize`), or the wait would only delay rank 0 too."""
+
+
+def rank_zero_exits_first() -> None:
+    """After rank 0 reported bad input that every rank found: the other ranks exit
+    `REPORT_GRACE_S` after it, MPI finalized first by all together where it was started."""
+    _finalize()
+    if launcher_rank() != 0:
+        time.sleep(REPORT_GRACE_S)
+
+
+def _finalize() -> None:
+    """MPI_Finalize now, where no other thread of this process may be inside MPI (the deck
+    checks fail before any starts; otherwise leave it to the exit)."""
+    import threading
+
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized() and threading.active_count() == 1:
+        MPI.Finalize()
+
 
 ABORT_GRACE_S = 0.5
 """Between a rank's report and MPI_Abort: the launcher forwards output through pipes, and an
