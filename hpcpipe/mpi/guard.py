@@ -105,9 +105,17 @@ finalize together before this wait (`_finalize`), or the wait would only delay r
 
 def rank_zero_exits_first() -> None:
     """After rank 0 reported bad input that every rank found: the other ranks exit
-    `REPORT_GRACE_S` after it, MPI finalized first by all together where it was started."""
-    _finalize()
-    if launcher_rank() != 0:
+    `REPORT_GRACE_S` after it, MPI finalized first by all together where it was started.
+    Nothing for a world of one (a test may go on using MPI in its process)."""
+    rank = launcher_rank()
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            if MPI.COMM_WORLD.size == 1:
+                return
+            _finalize()
+    if rank != 0:
         time.sleep(REPORT_GRACE_S)
 
 
