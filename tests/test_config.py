@@ -124,3 +124,16 @@ def test_unknown_command_and_flag_exit_2():
     with pytest.raises(SystemExit) as info:
         main(["plan", "--no-such-flag"])
     assert info.value.code == 2
+
+
+def test_bad_deck_in_a_world_of_one_leaves_mpi_to_the_caller(capsys):
+    """Rank 0 exits first after bad input in a multi-rank job (the ranks finalize MPI together
+    first, guard.rank_zero_exits_first); in a world of one, such as this process, MPI stays
+    usable: a CLI call must not end the MPI of whoever called it."""
+    from mpi4py import MPI
+
+    deck = str(ROOT / "inputs" / "topology_tiny.toml")
+    assert main(["plan", deck, "--set", 'device.kind="tpu"']) == 2
+    assert "device.kind = 'tpu' is not one of" in capsys.readouterr().err
+    assert MPI.Is_initialized() and not MPI.Is_finalized()
+    assert MPI.COMM_WORLD.allreduce(1) == 1

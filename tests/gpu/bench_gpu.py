@@ -134,8 +134,8 @@ def sweep(args: argparse.Namespace) -> None:
     xp = importlib.import_module(name)
     assert device.xp is xp
     try:  # the GPU's name for the report (CuPy's; a stand-in module may not have it)
-        name = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
-        info["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+        gpu = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
+        info["gpu"] = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
         info["cupy"] = xp.__version__
     except (AttributeError, KeyError, RuntimeError):
         pass
