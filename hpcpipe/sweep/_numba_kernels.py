@@ -15,29 +15,35 @@ What makes these loops fast, each found by measurement:
 - The fix-up: in Kripke's problem a quarter of the cells have a negative outgoing face
   somewhere, and in those a third of the elements (all groups of a third of the directions).
   Where a cell's A*G elements are a multiple of 4, the fix-up path works on vectors of 4
-  (`_V4`), written as LLVM IR through numba intrinsics: the keep pass (`_keep4`) solves a
-  vector, writes its outgoing faces, keeps its incoming ones in a scratch row and sets the
-  vector's bit in `marks` when one of its outgoing faces is < 0. A clean cell is then done;
-  a cell with bits set runs the first fix-up round on those vectors only (`_fix4`, the loop
-  taking the set bits lowest first: it branches once per cell, not once per vector), and a
-  vector still negative after it takes the other two rounds on its 4 elements
-  (`_fixup_rounds`), which give what kernel._fixup's early exit gives. Measured on Kripke's
-  problem (`hpcpipe bench sweep`, three interleaved pairs of runs): 1.23-1.28x the kernel
-  without the fix-up, against 1.39-1.47x for a first round on all the cell's elements
-  (`_dd_keep` and `_dd_fixup`, the path of other element counts; its keep pass ORs the
-  faces' sign bits, `_bits`). Nothing in the loops calls a function: a call, even one never
-  made, slows down the loops around it.
+  (`_V4`), written as LLVM IR through numba intrinsics: the check pass (`_check4`) solves a
+  vector, writes psi and its outgoing faces, as the plain kernel does, and sets the vector's
+  bit in `marks` when one of its outgoing faces is < 0. A clean cell is then done; a cell
+  with bits set runs the first fix-up round on those vectors only (`_fix4`, the loop taking
+  the set bits lowest first: it branches once per cell, not once per vector), from incoming
+  faces taken back from the diamond relation (kernel._fixup), and a vector still negative
+  after it takes the other two rounds on its 4 elements in an unlikely branch, which give
+  what kernel._fixup's early exit gives. Other element counts run the first round on all the
+  cell's elements (`_dd_check` and `_dd_fixup`; the check ORs the faces' sign bits, `_bits`).
+  Measured on Kripke's problem (one process sweeping all octants, 15 interleaved pairs): the
+  fix-up costs 1.20x the kernel without it; 1.27x when the check pass also kept the incoming
+  faces in a scratch row (three more stores per vector: the pass is store-bound), 1.24x when
+  it left a marked vector's incoming faces in the face rows instead (a select per face, whose
+  mask the stores then wait for), 1.39-1.47x for a first round on all the cell's elements.
+  Nothing in the loops calls a function: a call, even one never made, slows down the loops
+  around it.
 - Why vectors written by hand, and why 4: a loop shorter than LLVM's unrolled vector body (16
   elements here) runs scalar, a chunk bounded with min() is not vectorised at all, and a cell
   loop over directions with a constant 8-group inner loop is unrolled into scalar code (LLVM
   cannot prove the face rows apart); those chunked fix-ups measured 1.67-2.3x. Vectors of 8
-  read what the keep pass (LLVM's loop, 4-wide stores even on AVX-512) had just written two
+  read what the check pass (LLVM's loop, 4-wide stores even on AVX-512) had just written two
   stores per load, which waits for both to retire: the mask alone then cost as much as the
-  round, 1.45x in all. Per-element flags stored by the solve pass cost it 10-25%.
+  round, 1.45x in all. Per-element flags stored by the solve pass cost it 10-25%; so did
+  per-vector flag bytes (1.28x), and two vectors per mark (1.27x).
 - What else did not pay: predicting the cells to fix from the previous iteration (80% right)
   and solving those in one fused solve-and-fix pass slowed every other cell as well, the walk
-  grown by one more inlined pass: 2.0x. A float min of the faces, one test instead of three,
-  does not vectorise (1.58x became 2.3x).
+  grown by one more inlined pass: 2.0x. So did the fix-up inside the check pass, one branch
+  per vector (1.29x, against 1.29x for the marks then). A float min of the faces, one test
+  instead of three, does not vectorise (1.58x became 2.3x).
 """
 
 from __future__ import annotations
@@ -67,7 +73,8 @@ def _bits(typingctx, x):  # pragma: no cover (JIT)
 
 # Cell functions share one signature: the expanded coefficients (A*G each), the cell's expanded
 # source and cross section (A*G), the flat face arrays (rows, A*G) with the cell's rows, the
-# scratch psi (A*G) and inc (3, A*G), and `marks` (the vector path's bits, int64 words).
+# scratch psi (A*G) and inc (6, A*G: `_dd_fixup`'s), and `marks` (the vector path's bits,
+# int64 words).
 
 
 @njit(**_JIT, inline="always")
@@ -96,9 +103,9 @@ def _dd(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pra
 
 
 @njit(**_JIT, inline="always")
-def _dd_keep(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
-    """Diamond difference writing the outgoing faces, the incoming ones kept in `inc`: psi,
-    and whether an outgoing face has its sign bit set (such a cell goes to `_dd_fixup`)."""
+def _dd_check(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
+    """Diamond difference writing psi and the outgoing faces, and whether an outgoing face
+    has its sign bit set (such a cell goes to `_dd_fixup`)."""
     neg = 0
     for e in range(psi.size):
         ix, iy, iz = fx[rx, e], fy[ry, e], fz[rz, e]
@@ -106,9 +113,6 @@ def _dd_keep(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  
         psi[e] = p
         two = p + p
         ox, oy, oz = two - ix, two - iy, two - iz
-        inc[0, e] = ix
-        inc[1, e] = iy
-        inc[2, e] = iz
         fx[rx, e] = ox
         fy[ry, e] = oy
         fz[rz, e] = oz
@@ -118,14 +122,22 @@ def _dd_keep(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  
 
 @njit(**_JIT, inline="always")
 def _dd_fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
-    """A cell `_dd_keep` found a negative face in: the first fix-up round for every element
-    (elements with no negative face keep their plain values), from the incoming faces in
-    `inc`, which `_fixup_rounds` also uses should an element still be negative after it."""
+    """A cell `_dd_check` found a negative face in: the first fix-up round for every element
+    (elements with no negative face keep their plain values), from the incoming faces taken
+    back from the diamond relation (kernel._fixup says why); they are kept in `inc` for
+    `_fixup_rounds`, should an element still be negative after it."""
     still = 0
     for e in range(psi.size):
-        ax, ay, az = inc[0, e], inc[1, e], inc[2, e]
         p = psi[e]
-        ox, oy, oz = fx[rx, e], fy[ry, e], fz[rz, e]  # 2 psi - in, as _dd_keep wrote them
+        ox, oy, oz = fx[rx, e], fy[ry, e], fz[rz, e]  # 2 psi - in, as _dd_check wrote them
+        two = p + p
+        ax, ay, az = two - ox, two - oy, two - oz
+        inc[0, e] = ax
+        inc[1, e] = ay
+        inc[2, e] = az
+        inc[3, e] = ox
+        inc[4, e] = oy
+        inc[5, e] = oz
         nx, ny, nz = ox < 0.0, oy < 0.0, oz < 0.0
         cell, fx1, fy1, fz1 = _rebalance(kx[e], ky[e], kz[e], qe[e], se[e], ax, ay, az, nx, ny, nz)
         bad = nx | ny | nz  # bitwise: no branch
@@ -187,12 +199,14 @@ def _fix4(typingctx, kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e):  
         zero = ir.Constant(_V4, [0.0] * 4)
         coeffs = [load(at(i, e)) for i in (0, 1, 2)]
         src, sig = load(at(3, e)), load(at(4, e))
-        incoming = [load(at(12, context.get_constant(types.intp, r), e)) for r in range(3)]
         face_ptrs = [at(i, args[i + 1], e) for i in (5, 7, 9)]
         outgoing = [load(ptr) for ptr in face_ptrs]
+        psi_ptr = at(11, e)
+        cell = load(psi_ptr)
+        two = builder.fadd(cell, cell)
+        incoming = [builder.fsub(two, o) for o in outgoing]  # as kernel._fixup takes them back
         negative = [builder.fcmp_ordered("<", o, zero) for o in outgoing]
         bad = builder.or_(builder.or_(negative[0], negative[1]), negative[2])
-        psi_ptr = at(11, e)
         cell, outs = _ir_rebalance(builder, negative, coeffs, incoming, sig, src)
 
         def store(cell, outs):  # the elements with a negative face take the round's values
@@ -218,10 +232,10 @@ def _fix4(typingctx, kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e):  
 
 
 @intrinsic
-def _keep4(
+def _check4(
     typingctx, kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, e
 ):  # pragma: no cover
-    """`_dd_keep`'s loop body for the 4 elements from e, as vectors; returns whether one of
+    """`_dd_check`'s loop body for the 4 elements from e, as vectors; returns whether one of
     their outgoing faces is < 0."""
 
     def codegen(context, builder, signature, args):
@@ -245,8 +259,7 @@ def _keep4(
         builder.store(p, at(12, e), align=8)
         two = builder.fadd(p, p)
         neg = None
-        for r, (a, ptr) in enumerate(zip((ix, iy, iz), face_ptrs, strict=True)):
-            builder.store(a, at(13, context.get_constant(types.intp, r), e), align=8)
+        for a, ptr in zip((ix, iy, iz), face_ptrs, strict=True):
             o = builder.fsub(two, a)
             builder.store(o, ptr, align=8)
             lt = builder.fcmp_ordered("<", o, zero)
@@ -273,8 +286,8 @@ def _low_bit(typingctx, m):  # pragma: no cover (JIT)
 
 
 @njit(**_JIT, inline="always")
-def _dd_keep4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
-    """`_dd_keep` by vectors of 4 elements: each vector's bit in `marks` (63 to a word) says
+def _dd_check4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
+    """`_dd_check` by vectors of 4 elements: each vector's bit in `marks` (63 to a word) says
     whether one of its outgoing faces is < 0; returns whether any is."""
     any_bad = 0
     vectors = psi.size // 4
@@ -282,7 +295,7 @@ def _dd_keep4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks): 
         m = 0
         first = word * 63
         for c in range(first, min(vectors, first + 63)):
-            bad = _keep4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, c * 4)
+            bad = _check4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, c * 4)
             m |= bad << (c - first)
         marks[word] = m
         any_bad |= m
@@ -291,7 +304,7 @@ def _dd_keep4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks): 
 
 @njit(**_JIT, inline="always")
 def _dd_fixup4(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks):  # pragma: no cover
-    """The fix-up for the vectors `_dd_keep4` marked (`_fix4`), lowest bit first."""
+    """The fix-up for the vectors `_dd_check4` marked (`_fix4`), lowest bit first."""
     for word in range(marks.size):
         m = marks[word]
         while m:
@@ -322,15 +335,14 @@ def _rebalance(k1, k2, k3, src, sig, ax, ay, az, nx, ny, nz):  # pragma: no cove
 
 @njit(**_JIT, inline="always")
 def _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
-    """All three rounds for every element that had a negative face, from the incoming faces
-    in `inc`, branch-free like `_dd_fixup`. A round that fixes no new face repeats the one
-    before exactly, so three rounds give what kernel._fixup's early exit gives."""
+    """All three rounds for every element that had a negative face, from what `_dd_fixup`
+    kept in `inc` (the incoming faces, then the first outgoing ones), branch-free like
+    `_dd_fixup`. A round that fixes no new face repeats the one before exactly, so three
+    rounds give what kernel._fixup's early exit gives."""
     for e in range(psi.size):
         ax, ay, az = inc[0, e], inc[1, e], inc[2, e]
         k1, k2, k3 = kx[e], ky[e], kz[e]
-        p = _psi(kx, ky, kz, kt, qe, se, e, ax, ay, az)
-        two = p + p
-        nx, ny, nz = two - ax < 0.0, two - ay < 0.0, two - az < 0.0
+        nx, ny, nz = inc[3, e] < 0.0, inc[4, e] < 0.0, inc[5, e] < 0.0
         bad = nx | ny | nz
         cell, ox, oy, oz = _rebalance(k1, k2, k3, qe[e], se[e], ax, ay, az, nx, ny, nz)
         for _ in range(2):
@@ -378,8 +390,8 @@ def _walk(
             e = a * n_g + g
             kx[e], ky[e], kz[e], kt[e] = cx[a], cy[a], cz[a], total[a]
     psi, qe, se = np.empty(n_e), np.empty(n_e), np.empty(n_e)
-    inc = np.empty((3, n_e))
-    marks = np.zeros(max(1, -(-(n_e // 4) // 63)), dtype=np.int64)  # _dd_keep4's, 63 a word
+    inc = np.empty((6, n_e))  # _dd_fixup's, for _fixup_rounds
+    marks = np.zeros(max(1, -(-(n_e // 4) // 63)), dtype=np.int64)  # _dd_check4's, 63 a word
     acc = np.empty(n_g)
     for ii in range(i0, i1):
         i = ii if sx > 0 else bx - 1 - ii
@@ -423,12 +435,12 @@ def sweep_block_loops(
         )  # fmt: skip
     elif fix and (fx.shape[1] * fx.shape[2]) % 4 == 0:
         _walk(
-            _dd_keep4, _nothing, _dd_fixup4, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy,
+            _dd_check4, _nothing, _dd_fixup4, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy,
             cz, total, w, q, st, phi, fx, fy, fz,
         )  # fmt: skip
     elif fix:
         _walk(
-            _dd_keep, _nothing, _dd_fixup, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy,
+            _dd_check, _nothing, _dd_fixup, i0, i1, bx, by, bz, nz, z0, sx, sy, sz, cx, cy,
             cz, total, w, q, st, phi, fx, fy, fz,
         )  # fmt: skip
     else:

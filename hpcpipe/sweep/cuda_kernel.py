@@ -66,6 +66,9 @@ extern "C" __global__ void sweep_block(
                 const double two = p + p;
                 ox = two - ax; oy = two - ay; oz = two - az;
                 if (fixup && (ox < 0.0 || oy < 0.0 || oz < 0.0)) {
+                    // the incoming faces taken back from the diamond relation, as kernel.py's
+                    // _fixup does
+                    const double inx = two - ox, iny = two - oy, inz = two - oz;
                     bool nx = ox < 0.0, ny = oy < 0.0, nw = oz < 0.0;
                     double cell_value = p;
                     for (int round = 0; round < 3; ++round) {
@@ -75,13 +78,13 @@ extern "C" __global__ void sweep_block(
                         den = den + (ny ? 0.0 : ky);
                         den = den + (nw ? 0.0 : kz);
                         double num = src;
-                        num = num + (nx ? 0.5 * kx : kx) * ax;
-                        num = num + (ny ? 0.5 * ky : ky) * ay;
-                        num = num + (nw ? 0.5 * kz : kz) * az;
+                        num = num + (nx ? 0.5 * kx : kx) * inx;
+                        num = num + (ny ? 0.5 * ky : ky) * iny;
+                        num = num + (nw ? 0.5 * kz : kz) * inz;
                         cell_value = num / den;
-                        ox = nx ? 0.0 : 2.0 * cell_value - ax;
-                        oy = ny ? 0.0 : 2.0 * cell_value - ay;
-                        oz = nw ? 0.0 : 2.0 * cell_value - az;
+                        ox = nx ? 0.0 : 2.0 * cell_value - inx;
+                        oy = ny ? 0.0 : 2.0 * cell_value - iny;
+                        oz = nw ? 0.0 : 2.0 * cell_value - inz;
                         if (!(ox < 0.0 || oy < 0.0 || oz < 0.0)) break;
                     }
                     p = cell_value;
