@@ -52,33 +52,35 @@ def stale() -> list[str]:
             continue
         if data is None:
             continue
-        commit = (data[1].get("measured") or {}).get("commit")
-        later = changes_since(commit) if commit else None
+        measured = data[1].get("measured") or {}
+        commit = measured.get("commit")
+        later = changes_since(commit, measured.get("sources")) if commit else None
         if commit is None or later:
             why = "no commit recorded" if commit is None else f"{later} later code commit(s)"
             found.append(f"{path.relative_to(ROOT)}: older than the code ({why})")
     return found
 
 
-def changes_since(commit: str) -> int | None:
+def changes_since(commit: str, sources: list[str] | None = None) -> int | None:
     """Commits after `commit` that touch the code a figure describes (None: unknown commit):
-    hpcpipe/ and the benchmark scripts, not the results or this writer. A commit whose
-    message has the trailer line `Figures: unchanged (why)` is not counted: its author states
-    that it cannot move a figure (an import rewritten, a comment), and says why, in the
-    history where anyone can check it."""
+    the source files its processes ran, as the result records them (hpcpipe.bench.sources),
+    or, for a result that does not, all of hpcpipe/ and the benchmark scripts, not the
+    results or this writer. A commit whose message has the trailer line `Figures: unchanged
+    (why)` is not counted: its author states that it cannot move a figure (an import
+    rewritten, a comment), and says why, in the history where anyone can check it."""
+    paths = (
+        list(sources)
+        if sources
+        else [
+            "hpcpipe",
+            "benchmarks",
+            ":(exclude)benchmarks/results",  # the figures themselves
+            ":(exclude)benchmarks/report.py",  # the page writer measures nothing
+        ]
+    )
     try:
         out = subprocess.run(
-            [
-                "git",
-                "log",
-                "--format=%H%x00%B%x01",
-                f"{commit}..HEAD",
-                "--",
-                "hpcpipe",
-                "benchmarks",
-                ":(exclude)benchmarks/results",  # the figures themselves
-                ":(exclude)benchmarks/report.py",  # the page writer measures nothing
-            ],
+            ["git", "log", "--format=%H%x00%B%x01", f"{commit}..HEAD", "--", *paths],
             cwd=ROOT,
             capture_output=True,
             text=True,

@@ -5,3 +5,10 @@ the MPI runtime is a thin interpreter that executes them.
 """
 
 __version__ = "0.1.0"
+
+import os as _os
+
+if _os.environ.get("HPCPIPE_SOURCES_LOG"):  # a figure being measured: log the code it runs
+    from hpcpipe.bench.sources import log_at_exit as _log_at_exit
+
+    _log_at_exit()

@@ -82,8 +82,9 @@ class Target:
 
 
 def provenance(root: str | Path | None = None) -> dict[str, Any]:
-    """The git commit (and whether the tree had local changes) and the UTC date a result was
-    measured on, so a report can say when a figure is older than the code it describes."""
+    """The git commit (and whether the tree had local changes), the UTC date a result was
+    measured on and the source files it ran (hpcpipe.bench.sources), so a report can say when
+    a figure is older than the code it describes."""
     import datetime
     import subprocess
 
@@ -101,7 +102,14 @@ def provenance(root: str | Path | None = None) -> dict[str, Any]:
 
     commit = git("rev-parse", "HEAD")
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", "hpcpipe")
-    return {"commit": commit, "dirty": bool(dirty) if commit else None, "date": date}
+    from hpcpipe.bench.sources import collect
+
+    return {
+        "commit": commit,
+        "dirty": bool(dirty) if commit else None,
+        "date": date,
+        "sources": collect(),
+    }
 
 
 @dataclass

@@ -12,7 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, clean_environ
+from conftest import ROOT, clean_environ, mpiexec_command
+
+from hpcpipe.bench import sources
 
 _spec = importlib.util.spec_from_file_location("doc_samples", ROOT / "docs" / "samples.py")
 samples = importlib.util.module_from_spec(_spec)
@@ -146,9 +148,10 @@ def test_commands_in_deck_headers_are_accepted(deck, args, ranks):
     assert proc.returncode == 0, f"{deck}: hpcpipe {' '.join(args)}\n{proc.stderr}"
 
 
-def test_only_an_explained_trailer_keeps_figures_current():
-    """`Figures: unchanged (why)` on its own line exempts a commit from staleness; nothing
-    else does (no reason, or the words inside a sentence)."""
+def _report_module(monkeypatch, tmp_path):
+    """benchmarks/report.py, imported with its own sources log (its _common names one for the
+    process at import; this one goes away with the test)."""
+    monkeypatch.setenv(sources.ENV, str(tmp_path / "sources.txt"))
     spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
     report = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -156,6 +159,70 @@ def test_only_an_explained_trailer_keeps_figures_current():
         spec.loader.exec_module(report)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return report
+
+
+def test_only_an_explained_trailer_keeps_figures_current(monkeypatch, tmp_path):
+    """`Figures: unchanged (why)` on its own line exempts a commit from staleness; nothing
+    else does (no reason, or the words inside a sentence)."""
+    report = _report_module(monkeypatch, tmp_path)
     assert report.UNCHANGED.search("Fix imports\n\nFigures: unchanged (same module bound)\n")
     assert not report.UNCHANGED.search("Fix imports\n\nFigures: unchanged\n")
     assert not report.UNCHANGED.search("we hope Figures: unchanged (really) holds\n")
+
+
+def test_a_result_records_the_sources_every_rank_ran(monkeypatch, tmp_path):
+    """Ranks started under mpiexec log the hpcpipe files they loaded when they exit; the
+    writer's record (collect) joins them with its own."""
+    log = tmp_path / "sources.txt"
+    monkeypatch.setenv(sources.ENV, str(log))
+    code = "import hpcpipe.sweep.kernel"
+    proc = subprocess.run(
+        [*mpiexec_command(), "-n", "2", sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_environ(),
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = log.read_text().split()
+    assert lines.count("hpcpipe/sweep/kernel.py") == 2  # one line per rank
+    recorded = sources.collect()
+    assert "hpcpipe/sweep/kernel.py" in recorded
+    assert "hpcpipe/bench/sources.py" in recorded  # this process's own
+    assert not any(r.startswith(("tests/", "/")) for r in recorded)
+
+
+def test_a_figure_goes_stale_only_when_code_it_ran_changes(monkeypatch, tmp_path):
+    """With the sources a result records, a commit touching other files leaves it current;
+    without them (an older result), any code commit makes it stale."""
+    report = _report_module(monkeypatch, tmp_path)
+    repo = tmp_path / "repo"
+    (repo / "hpcpipe").mkdir(parents=True)
+
+    def git(*args: str) -> str:
+        ident = ["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+        out = subprocess.run(
+            ["git", *ident, *args], cwd=repo, capture_output=True, text=True, timeout=30
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def commit(path: str, text: str, message: str) -> str:
+        (repo / path).write_text(text)
+        git("add", path)
+        git("commit", "-q", "-m", message)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    commit("hpcpipe/a.py", "a = 1\n", "a")
+    measured = commit("hpcpipe/b.py", "b = 1\n", "b")
+    commit("hpcpipe/b.py", "b = 2\n", "b changes")
+    commit("hpcpipe/a.py", "a = 1  # one\n", "a comment\n\nFigures: unchanged (a comment)")
+    monkeypatch.setattr(report, "ROOT", repo)
+    assert report.changes_since(measured, ["hpcpipe/a.py"]) == 0
+    assert report.changes_since(measured, ["hpcpipe/a.py", "hpcpipe/b.py"]) == 1
+    assert report.changes_since(measured, None) == 1  # every code commit but the exempt one
+    assert report.changes_since("0" * 40, ["hpcpipe/a.py"]) is None  # unknown commit
