@@ -211,7 +211,7 @@ def test_a_hand_written_order_can_cost_time():
 
 def test_targets_are_a_column_and_results_carry_their_commit(tmp_path):
     """A missed target is shown as `wanted` beside `got`, never as an alarming verdict line,
-    and every result file records the commit and date it was measured on."""
+    and every result file records the commit, date and source files it was measured on."""
     import json
 
     from hpcpipe.bench.table import Column, Report, read_report
@@ -232,6 +232,9 @@ def test_targets_are_a_column_and_results_carry_their_commit(tmp_path):
     ]
     path = report.write(tmp_path / "r.json")
     data = json.loads(path.read_text())
-    assert set(data["measured"]) == {"commit", "dirty", "date"} and data["measured"]["date"]
+    measured = data["measured"]
+    assert set(measured) == {"commit", "dirty", "date", "sources"} and measured["date"]
+    # the code that wrote it is among the sources it records (report.py's staleness reads them)
+    assert {"hpcpipe/bench/table.py", "hpcpipe/bench/sources.py"} <= set(measured["sources"])
     back, _ = read_report(path)
     assert back.render() == text and back.targets[0].met is False
