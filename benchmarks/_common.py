@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcpipe.bench.sources import start_log
+from hpcpipe._sources import start_log
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-start_log()  # every result records the source files its processes ran (hpcpipe.bench.sources)
+start_log()  # every result records the source files its processes ran (hpcpipe._sources)
 
 
 def machine_facts() -> dict[str, Any]:

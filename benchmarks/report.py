@@ -63,7 +63,7 @@ def stale() -> list[str]:
 
 def changes_since(commit: str, sources: list[str] | None = None) -> int | None:
     """Commits after `commit` that touch the code a figure describes (None: unknown commit):
-    the source files its processes ran, as the result records them (hpcpipe.bench.sources),
+    the source files its processes ran, as the result records them (hpcpipe._sources),
     or, for a result that does not, all of hpcpipe/ and the benchmark scripts, not the
     results or this writer. A commit whose message has the trailer line `Figures: unchanged
     (why)` is not counted: its author states that it cannot move a figure (an import

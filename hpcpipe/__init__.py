@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 import os as _os
 
 if _os.environ.get("HPCPIPE_SOURCES_LOG"):  # a figure being measured: log the code it runs
-    from hpcpipe.bench.sources import log_at_exit as _log_at_exit
+    # (a standard-library-only module: importing more here, numpy say, would start its BLAS
+    # threads before the CLI limits them per rank)
+    from hpcpipe._sources import log_at_exit as _log_at_exit
 
     _log_at_exit()

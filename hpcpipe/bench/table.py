@@ -83,7 +83,7 @@ class Target:
 
 def provenance(root: str | Path | None = None) -> dict[str, Any]:
     """The git commit (and whether the tree had local changes), the UTC date a result was
-    measured on and the source files it ran (hpcpipe.bench.sources), so a report can say when
+    measured on and the source files it ran (hpcpipe._sources), so a report can say when
     a figure is older than the code it describes."""
     import datetime
     import subprocess
@@ -102,7 +102,7 @@ def provenance(root: str | Path | None = None) -> dict[str, Any]:
 
     commit = git("rev-parse", "HEAD")
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", "hpcpipe")
-    from hpcpipe.bench.sources import collect
+    from hpcpipe._sources import collect
 
     return {
         "commit": commit,

@@ -235,6 +235,6 @@ def test_targets_are_a_column_and_results_carry_their_commit(tmp_path):
     measured = data["measured"]
     assert set(measured) == {"commit", "dirty", "date", "sources"} and measured["date"]
     # the code that wrote it is among the sources it records (report.py's staleness reads them)
-    assert {"hpcpipe/bench/table.py", "hpcpipe/bench/sources.py"} <= set(measured["sources"])
+    assert {"hpcpipe/bench/table.py", "hpcpipe/_sources.py"} <= set(measured["sources"])
     back, _ = read_report(path)
     assert back.render() == text and back.targets[0].met is False

@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_environ, mpiexec_command
 
-from hpcpipe.bench import sources
+from hpcpipe import _sources as sources
 
 _spec = importlib.util.spec_from_file_location("doc_samples", ROOT / "docs" / "samples.py")
 samples = importlib.util.module_from_spec(_spec)
@@ -191,7 +191,7 @@ def test_a_result_records_the_sources_every_rank_ran(monkeypatch, tmp_path):
     assert lines.count("hpcpipe/sweep/kernel.py") == 2  # one line per rank
     recorded = sources.collect()
     assert "hpcpipe/sweep/kernel.py" in recorded
-    assert "hpcpipe/bench/sources.py" in recorded  # this process's own
+    assert "hpcpipe/_sources.py" in recorded  # this process's own
     assert not any(r.startswith(("tests/", "/")) for r in recorded)
 
 

@@ -8,6 +8,10 @@ to it when it exits (`log_at_exit`, armed by importing hpcpipe while the variabl
 `collect` joins them when the result is written. A module's file records the module, not
 what else it could have run: code that a figure reaches only through a new module is caught
 because its caller's file changed too.
+
+Only the standard library is imported here: hpcpipe/__init__.py imports this module in every
+process of a measured figure, and importing numpy that early started its BLAS threads before
+the CLI limits them per rank (the sweep figure's "2 x 1 rank" row ran at half speed).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ __all__ = ["ENV", "collect", "loaded_sources", "log_at_exit", "start_log"]
 ENV = "HPCPIPE_SOURCES_LOG"
 """The environment variable naming the log file a figure's processes append to."""
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 """The directory holding the hpcpipe package (the repository root in a development install)."""
 
 _TOP = ("hpcpipe", "benchmarks")
