@@ -226,3 +226,17 @@ def test_a_figure_goes_stale_only_when_code_it_ran_changes(monkeypatch, tmp_path
     assert report.changes_since(measured, ["hpcpipe/a.py", "hpcpipe/b.py"]) == 1
     assert report.changes_since(measured, None) == 1  # every code commit but the exempt one
     assert report.changes_since("0" * 40, ["hpcpipe/a.py"]) is None  # unknown commit
+
+
+def test_the_sources_hook_imports_no_numpy(tmp_path):
+    """With the log set, `import hpcpipe` arms the hook without importing numpy: a rank that
+    imports numpy before the CLI limits BLAS threads runs one BLAS thread per core, and two
+    such ranks on two cores ran the sweep figure's '2 x 1 rank' row at half speed."""
+    env = clean_environ() | {sources.ENV: str(tmp_path / "sources.txt")}
+    code = "import sys, hpcpipe; print('numpy' in sys.modules, 'hpcpipe._sources' in sys.modules)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
+    assert "hpcpipe/_sources.py" in (tmp_path / "sources.txt").read_text().split()
