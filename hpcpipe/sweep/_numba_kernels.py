@@ -150,7 +150,7 @@ def _dd_fixup(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc, marks): 
         fy[ry, e] = fy1
         fz[rz, e] = fz1
     if still < 0:  # rare: fixing one face made another one negative
-        _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
+        _fixup_rounds(kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc)
 
 
 _V4 = ir.VectorType(ir.DoubleType(), 4)
@@ -334,7 +334,7 @@ def _rebalance(k1, k2, k3, src, sig, ax, ay, az, nx, ny, nz):  # pragma: no cove
 
 
 @njit(**_JIT, inline="always")
-def _fixup_rounds(kx, ky, kz, kt, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
+def _fixup_rounds(kx, ky, kz, qe, se, fx, rx, fy, ry, fz, rz, psi, inc):  # pragma: no cover
     """All three rounds for every element that had a negative face, from what `_dd_fixup`
     kept in `inc` (the incoming faces, then the first outgoing ones), branch-free like
     `_dd_fixup`. A round that fixes no new face repeats the one before exactly, so three
