@@ -20,12 +20,14 @@ _F, _B, _W = 0, 1, 2
 @njit(cache=True)
 def greedy(
     p, m, stages_of, n_stages, rank_of, t_f, t_b, t_w, act, b_frees, comm, limit, depth,
-    w_limit, up_first, late_f, reserve, second, order,
+    w_limit, up_first, late_f, reserve, second, flip_at, track, alts, order,
 ):  # fmt: skip  # pragma: no cover (JIT)
     """`list_schedule` for arrays: `stages_of[r, :n_stages[r]]` rank r's stages (first chunk
     first), `depth[r]`, `w_limit` (-1: none), `up_first`, `late_f` and `reserve` (the
-    policy's), and `order[r, k]`, (kind, stage, microbatch) of rank r's k-th action, written.
-    Returns (complete, makespan, depth_bound)."""
+    policy's), `flip_at[d]` the alternative taken at choice d (-1: the policy's), and
+    `order[r, k]`, (kind, stage, microbatch) of rank r's k-th action, written. With `track`
+    (or any flip), `alts[d]` receives the number of alternatives at choice d.
+    Returns (complete, makespan, depth_bound, choices, the sum of the ranks' last ends)."""
     S = rank_of.size
     inf = np.inf
     f_in = np.full((S, m), inf)
@@ -53,6 +55,12 @@ def greedy(
     makespan = 0.0
     depth_bound = False
     last = S - 1
+    n_flips = flip_at.size
+    track = track or n_flips > 0
+    choices = 0
+    c_kind = np.empty(2 * n_stages.max() + 1, dtype=np.int64)
+    c_s = np.empty_like(c_kind)
+    c_i = np.empty_like(c_kind)
     while len(heap):
         t, r = heapq.heappop(heap)
         if t != planned[r] or left[r] == 0:
@@ -94,6 +102,40 @@ def greedy(
                         kind, s, i = _F, x, j
             if kind < 0 and n_owed:
                 kind = _W
+        if track and kind >= 0:
+            nc = 0
+            for y in range(k):
+                x = stages_of[r, y]
+                j = nb[x]
+                if j < m and b_in[x, j] <= t:
+                    c_kind[nc], c_s[nc], c_i[nc] = _B, x, j
+                    nc += 1
+            for y in range(k):
+                x = stages_of[r, k - 1 - y]
+                j = nf[x]
+                if j >= m or f_in[x, j] > t or live[r] + act[x] > limit:
+                    continue
+                if x == r0:
+                    room = reserve * second[r] if waiting[r] > 0.5 * act[x] else second[r]
+                    if waiting[r] + act[x] + room > limit or held[r] >= depth[r]:
+                        continue
+                c_kind[nc], c_s[nc], c_i[nc] = _F, x, j
+                nc += 1
+            if n_owed:
+                c_kind[nc] = _W
+                nc += 1
+            if nc > 1:
+                alts[choices] = nc - 1
+                a = flip_at[choices] if choices < n_flips else -1
+                choices += 1
+                if 0 <= a < nc - 1:
+                    for c in range(nc):
+                        if c_kind[c] == kind and (kind == _W or (c_s[c] == s and c_i[c] == i)):
+                            continue  # the policy's own choice
+                        if a == 0:
+                            kind, s, i = c_kind[c], c_s[c], c_i[c]
+                            break
+                        a -= 1
         if kind < 0:
             nxt = inf
             for y in range(k):
@@ -167,4 +209,4 @@ def greedy(
         free[r] = end
         planned[r] = end
         heapq.heappush(heap, (end, r))
-    return not left.any(), makespan, depth_bound
+    return not left.any(), makespan, depth_bound, choices, free.sum()

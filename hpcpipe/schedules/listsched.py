@@ -75,7 +75,12 @@ class Policy:
     second chunks beside the microbatches already waiting for theirs. 1 is the least that can
     never deadlock; more keeps a warm-up shallow where memory is tight (p = 7, m = 7, budget
     3.5, unit costs: 3 reaches 32 where V-Min takes 32.5). An idle rank always keeps room
-    for at least one.
+    for at least one. `flips`: (d, a) pairs, at the d-th choice (a rank free with more than one
+    action allowed, counted over the run) take the a-th other allowed action, in the order
+    backwards (the rank's stages in order), forwards (second chunk first), W; a choice the run
+    no longer reaches, or an a beyond its alternatives, changes nothing. The search's descent
+    over them reaches orders no rule does (p = 8, m = 8, unit costs, budget 5.5: one flip
+    takes 32.5 to 31.5).
     """
 
     v_shape: bool
@@ -84,6 +89,14 @@ class Policy:
     depth: tuple[int, ...] | None = None
     late_f: bool = False
     reserve: int = 1
+    flips: tuple[tuple[int, int], ...] = ()
+
+    def flip_array(self) -> np.ndarray:
+        """`flips` as one entry per choice (-1: the policy's own)."""
+        out = np.full(max((d for d, _ in self.flips), default=-1) + 1, -1, dtype=np.int64)
+        for d, a in self.flips:
+            out[d] = a
+        return out
 
     def describe(self) -> str:
         parts = ["V placement" if self.v_shape else "one stage per rank"]
@@ -96,6 +109,9 @@ class Policy:
                 parts.append(f"room for {self.reserve} second chunks")
         if self.depth is not None:
             parts.append("depth " + ",".join(map(str, self.depth)))
+        if self.flips:
+            n = len(self.flips)
+            parts.append(f"{n} choice{'s' if n > 1 else ''} changed")
         return "; ".join(parts)
 
 
@@ -168,15 +184,18 @@ class Run:
     order: tuple[np.ndarray, ...]  # per rank: rows of (kind, stage, microbatch)
     makespan: float
     depth_bound: bool  # whether the depth limit ever refused a forward
+    alts: np.ndarray | None = None  # tracked runs: the alternatives at each choice
+    ends: float = 0.0  # the sum of the ranks' last ends (ties of makespan: less is better)
 
 
-def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
+def list_schedule(prob: Problem, cap: float, policy: Policy, track: bool = False) -> Run | None:
     """Event-driven list scheduling under a per-rank memory cap (see the module docstring).
 
     A rank that becomes free looks at the next F and B of each of its stages (microbatches
     in order on a stage) and its deferred Ws, and starts one by `policy`; when nothing is
     ready it sleeps until its next input arrives. Returns None if the cap is below one
-    microbatch's activations on some rank.
+    microbatch's activations on some rank. With `track` (or any `policy.flips`) the run counts
+    the alternatives at each choice (`Run.alts`), which the search's flip descent tries.
     """
     limit = cap + REL * max(1.0, abs(cap))
     if prob.floor > limit:
@@ -188,8 +207,10 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
         if _compiled.wanted(3 * prob.m * len(prob.rank_of), weight=4)
         else None
     )
+    flip_at = policy.flip_array()
+    track = track or flip_at.size > 0
     if greedy is not None:
-        return _compiled_run(prob, greedy, limit, depth, w_limit, policy)
+        return _compiled_run(prob, greedy, limit, depth, w_limit, policy, flip_at, track)
     p, m = prob.p, prob.m
     S = len(prob.rank_of)
     stages_of, rank_of, act = prob.stages_of, prob.rank_of, prob.act
@@ -222,6 +243,7 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
     depth_bound = False
     last = S - 1
     free = [0.0] * p
+    alts: list[int] = []
     while heap:
         t, r = pop(heap)
         if t != planned[r] or not left[r]:
@@ -259,6 +281,27 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
                         kind, s, i = _F, x, j
             if kind < 0 and owed:
                 kind = _W
+        if track and kind >= 0:  # the allowed actions, as the flips count them
+            allowed = [(_B, x, nb[x]) for x in stages_of[r] if nb[x] < m and b_in[x][nb[x]] <= t]
+            r0 = first[r]
+            for x in f_rows[r]:
+                j = nf[x]
+                if j >= m or f_in[x][j] > t or live[r] + act[x] > limit:
+                    continue
+                if x == r0:
+                    room = reserve * second[r] if waiting[r] > 0.5 * act[x] else second[r]
+                    if waiting[r] + act[x] + room > limit or held[r] >= depth[r]:
+                        continue
+                allowed.append((_F, x, j))
+            if owed:
+                allowed.append((_W, 0, 0))
+            if len(allowed) > 1:
+                d = len(alts)
+                alts.append(len(allowed) - 1)
+                a = int(flip_at[d]) if d < flip_at.size else -1
+                if 0 <= a < len(allowed) - 1:
+                    own = (kind, s, i) if kind != _W else (_W, 0, 0)
+                    kind, s, i = [c for c in allowed if c != own][a]
         if kind < 0:
             nxt = _INF
             for x in stages_of[r]:
@@ -327,7 +370,13 @@ def list_schedule(prob: Problem, cap: float, policy: Policy) -> Run | None:
         push(heap, (end, r))
     if any(left):  # unreachable for cap >= floor (see the module docstring); kept as a guard
         return None
-    return Run(tuple(np.asarray(o, np.int64).reshape(-1, 3) for o in order), makespan, depth_bound)
+    return Run(
+        tuple(np.asarray(o, np.int64).reshape(-1, 3) for o in order),
+        makespan,
+        depth_bound,
+        np.asarray(alts, dtype=np.int64) if track else None,
+        sum(free),
+    )
 
 
 def _compiled_run(
@@ -337,12 +386,15 @@ def _compiled_run(
     depth: tuple[int, ...],
     w_limit: int,
     policy: Policy,
+    flip_at: np.ndarray,
+    track: bool,
 ) -> Run | None:
     """`list_schedule` by the compiled greedy (`_listsched_numba`), which gives the same run."""
     arrays = prob.kernel_arrays
     lengths = 3 * prob.m * arrays[1]
     order = np.empty((prob.p, int(lengths.max()), 3), dtype=np.int64)
-    complete, makespan, depth_bound = greedy(
+    alts = np.empty(int(lengths.sum()) if track else 0, dtype=np.int64)
+    complete, makespan, depth_bound, choices, ends = greedy(
         prob.p,
         prob.m,
         *arrays,
@@ -355,11 +407,20 @@ def _compiled_run(
         policy.late_f,
         policy.reserve,
         prob.second,
+        flip_at,
+        track,
+        alts,
         order,
     )
     if not complete:  # unreachable for cap >= floor, as in the Python loop
         return None
-    return Run(tuple(order[r, :n] for r, n in enumerate(lengths)), makespan, bool(depth_bound))
+    return Run(
+        tuple(order[r, :n] for r, n in enumerate(lengths)),
+        makespan,
+        bool(depth_bound),
+        alts[:choices] if track else None,
+        ends,
+    )
 
 
 def run_to_schedule(prob: Problem, run: Run, params: Iterable[tuple[str, object]]) -> Schedule:

@@ -210,8 +210,14 @@ def _greedy_cases():
             depth,
             late_f=v and case % 7 < 3,
             reserve=1 + (case // 3) % 3,
+            flips=tuple(
+                sorted({int(d): int(a) for d, a in rng.integers(0, [2 * m, 3], (3, 2))}.items())
+            )
+            if case % 4 == 0
+            else (),
         )
-        yield prob, prob.floor * float(rng.choice([1.0, 1.5, 2.0, 3.0, 10.0])), policy
+        cap = prob.floor * float(rng.choice([1.0, 1.5, 2.0, 3.0, 10.0]))
+        yield prob, cap, policy, case % 3 == 0
 
 
 def test_the_compiled_greedy_gives_the_python_loops_run(monkeypatch):
@@ -221,10 +227,35 @@ def test_the_compiled_greedy_gives_the_python_loops_run(monkeypatch):
         runs.append([list_schedule(*case) for case in _greedy_cases()])
     for python, compiled in zip(*runs, strict=True):
         assert python is not None and compiled is not None
-        assert (python.makespan, python.depth_bound) == (compiled.makespan, compiled.depth_bound)
+        assert (python.makespan, python.depth_bound, python.ends) == (
+            compiled.makespan,
+            compiled.depth_bound,
+            compiled.ends,
+        )
         for ours, theirs in zip(python.order, compiled.order, strict=True):
             np.testing.assert_array_equal(ours, theirs)
+        assert (python.alts is None) == (compiled.alts is None)
+        if python.alts is not None:
+            np.testing.assert_array_equal(python.alts, compiled.alts)
     assert len({run.makespan for run in runs[0]}) > 50  # the cases differ
+    tracked = [run.alts for run in runs[0] if run.alts is not None]
+    assert len(tracked) > 40 and sum(a.size for a in tracked) > 500  # choices were counted
+    # and the flips changed runs: the same cases without them give other orders
+    for threshold in (NONE, ALL):
+        monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", threshold)
+        plain = [
+            list_schedule(prob, cap, dataclasses.replace(policy, flips=()))
+            for prob, cap, policy, _ in _greedy_cases()
+        ]
+        flipped = [
+            i
+            for i, (case, run) in enumerate(zip(_greedy_cases(), plain, strict=True))
+            if case[2].flips
+            and any(
+                not np.array_equal(a, b) for a, b in zip(run.order, runs[0][i].order, strict=True)
+            )
+        ]
+        assert len(flipped) > 10
 
 
 def test_many_small_passes_switch_to_the_kernels_once_their_numpy_cost_adds_up(monkeypatch):
