@@ -54,20 +54,25 @@ def stale() -> list[str]:
             continue
         measured = data[1].get("measured") or {}
         commit = measured.get("commit")
-        later = changes_since(commit, measured.get("sources")) if commit else None
+        later = changes_since(commit, measured.get("sources"), path.stem) if commit else None
         if commit is None or later:
             why = "no commit recorded" if commit is None else f"{later} later code commit(s)"
             found.append(f"{path.relative_to(ROOT)}: older than the code ({why})")
     return found
 
 
-def changes_since(commit: str, sources: list[str] | None = None) -> int | None:
+def changes_since(
+    commit: str, sources: list[str] | None = None, figure: str | None = None
+) -> int | None:
     """Commits after `commit` that touch the code a figure describes (None: unknown commit):
     the source files its processes ran, as the result records them (hpcpipe._sources),
     or, for a result that does not, all of hpcpipe/ and the benchmark scripts, not the
     results or this writer. A commit whose message has the trailer line `Figures: unchanged
     (why)` is not counted: its author states that it cannot move a figure (an import
-    rewritten, a comment), and says why, in the history where anyone can check it."""
+    rewritten, a comment), and says why, in the history where anyone can check it. One with
+    `Figures: only NAME, NAME (why)` counts for the figures it names only: a change to a
+    module many figures load (the schedule search, which every CLI process imports) that can
+    move only the figures which run it."""
     paths = (
         list(sources)
         if sources
@@ -90,12 +95,25 @@ def changes_since(commit: str, sources: list[str] | None = None) -> int | None:
         return None
     if out.returncode != 0:
         return None
-    entries = [e for e in out.stdout.split("\x01") if e.strip()]
-    return sum(not UNCHANGED.search(e.partition("\x00")[2]) for e in entries)
+    entries = [e.partition("\x00")[2] for e in out.stdout.split("\x01") if e.strip()]
+    return sum(_counts(message, figure) for message in entries)
+
+
+def _counts(message: str, figure: str | None) -> bool:
+    """Whether a commit with this message can move `figure` (None: any figure)."""
+    if UNCHANGED.search(message):
+        return False
+    only = ONLY.search(message)
+    if only is None or figure is None:
+        return True
+    return figure in {name.strip() for name in only.group(1).split(",")}
 
 
 UNCHANGED = re.compile(r"^Figures: unchanged \(.+\)\s*$", re.MULTILINE)
 """The commit-message trailer of a change that cannot move any figure (see `changes_since`)."""
+
+ONLY = re.compile(r"^Figures: only ([\w, -]+?) \(.+\)\s*$", re.MULTILINE)
+"""The trailer of a change that can move only the figures it names (see `changes_since`)."""
 
 
 def table_block(name: str) -> str:

@@ -197,7 +197,8 @@ def test_a_result_records_the_sources_every_rank_ran(monkeypatch, tmp_path):
 
 def test_a_figure_goes_stale_only_when_code_it_ran_changes(monkeypatch, tmp_path):
     """With the sources a result records, a commit touching other files leaves it current;
-    without them (an older result), any code commit makes it stale."""
+    without them (an older result), any code commit makes it stale; a commit trailer
+    `Figures: only NAME, ...` counts for the figures it names only."""
     report = _report_module(monkeypatch, tmp_path)
     repo = tmp_path / "repo"
     (repo / "hpcpipe").mkdir(parents=True)
@@ -226,6 +227,12 @@ def test_a_figure_goes_stale_only_when_code_it_ran_changes(monkeypatch, tmp_path
     assert report.changes_since(measured, ["hpcpipe/a.py", "hpcpipe/b.py"]) == 1
     assert report.changes_since(measured, None) == 1  # every code commit but the exempt one
     assert report.changes_since("0" * 40, ["hpcpipe/a.py"]) is None  # unknown commit
+    scoped = "search\n\nFigures: only schedule_search, replan (the search's result changes)"
+    commit("hpcpipe/a.py", "a = 2\n", scoped)
+    assert report.changes_since(measured, ["hpcpipe/a.py"], "schedule_search") == 1
+    assert report.changes_since(measured, ["hpcpipe/a.py"], "replan") == 1
+    assert report.changes_since(measured, ["hpcpipe/a.py"], "sweep_grind") == 0
+    assert report.changes_since(measured, ["hpcpipe/a.py"]) == 1  # no figure named: counted
 
 
 def test_the_sources_hook_imports_no_numpy(tmp_path):
