@@ -37,6 +37,7 @@ FIGURES = (
     "schedule_search",
     "schedule_exact",
     "schedule_search_large",
+    "schedule_search_p16",
     "layout_search",
     "layout_ranking",
 )
@@ -45,6 +46,11 @@ VARIANTS = {
         "schedule_search.py",
         *("--p", "6", "7", "8", "--skip-scale", "--jobs", "2"),
         *("--json", "benchmarks/results/schedule_search_large.json"),
+    ),
+    "schedule_search_p16": (
+        "schedule_search.py",
+        *("--p", "16", "--costs", "unit", "--skip-scale", "--jobs", "2"),
+        *("--json", "benchmarks/results/schedule_search_p16.json"),
     ),
 }
 """Figures written by another figure's script with other arguments (paths from the root)."""
