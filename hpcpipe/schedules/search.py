@@ -249,9 +249,9 @@ def _flip_descent(
     until a full cycle gains nothing or `max_runs` greedy runs are spent.
 
     A rule picks the same kind of action at every choice; the orders that beat V-Min and V-Half
-    at their own budgets differ from the greedy's at a few choices of the fill or the drain
-    (p = 7, m = 14, unit costs, budget 3.5: two changed choices take the greedy's 54.5 to 52.5,
-    where V-Min takes 53.5)."""
+    half a microbatch above their own peaks differ from the greedy's at a few choices of the
+    fill or the drain (p = 7, m = 14, unit costs, budget 3.5: two changed choices take the
+    greedy's 54.5 to 52.5, where V-Min takes 53.5)."""
     best = start
     if max_runs < 1:
         return best, 0

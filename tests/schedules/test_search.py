@@ -371,10 +371,11 @@ def test_room_for_three_second_chunks_beats_v_min_where_memory_is_tight():
             assert run is None or run.makespan >= 32.5
 
 
-def test_changed_choices_beat_v_half_at_its_own_budget(monkeypatch):
-    """p = 8, m = 8, unit costs, budget 5.5: V-Half takes 32.5, and so does the best greedy
-    policy (the lower bound is 31). One changed choice of the greedy (`Policy.flips`) takes
-    it to 31.5; without the flip descent the search stays at V-Half's 32.5."""
+def test_changed_choices_beat_v_half_half_a_microbatch_above_its_peak(monkeypatch):
+    """p = 8, m = 8, unit costs, budget 5.5 (V-Half's peak is 5): V-Half takes 32.5, and so
+    does the best greedy policy (the lower bound is 31). One changed choice of the greedy
+    (`Policy.flips`) takes it to 31.5; without the flip descent the search stays at V-Half's
+    32.5."""
     cfg = PipelineConfig(microbatches=8)
     costs = costs_for(cfg, 8)
     assert simulate(build_schedule("v-half", 8, 8), costs(16)).makespan == 32.5
