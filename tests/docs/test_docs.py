@@ -132,14 +132,17 @@ HEADER_COMMANDS = _deck_header_commands()
     HEADER_COMMANDS,
     ids=[f"{d}:{' '.join(a)}" for d, a, _ in HEADER_COMMANDS],
 )
-def test_commands_in_deck_headers_are_accepted(deck, args, ranks):
+def test_commands_in_deck_headers_are_accepted(deck, args, ranks, tmp_path):
     """What a deck's header suggests must run: `run` commands are checked as the job would
-    be (`--dry-run` on the same world, no MPI), `plan` commands run as shown."""
+    be (`--dry-run` on the same world, no MPI), `plan` commands run as shown, in a scratch
+    folder that sees the repository's inputs/ (what they write, e.g. `--pareto-png
+    front.png`, stays out of the repository)."""
     if args[0] == "run":
         args = [*args, "--dry-run", "--world", str(ranks)]
+    (tmp_path / "inputs").symlink_to(ROOT / "inputs")
     proc = subprocess.run(
         [sys.executable, "-m", "hpcpipe", *args],
-        cwd=ROOT,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
