@@ -57,7 +57,8 @@ def stale() -> list[str]:
         later = changes_since(commit, measured.get("sources"), path.stem) if commit else None
         if commit is None or later:
             why = "no commit recorded" if commit is None else f"{later} later code commit(s)"
-            found.append(f"{path.relative_to(ROOT)}: older than the code ({why})")
+            again = data[1].get("command") or f"python benchmarks/run_all.py --only {path.stem}"
+            found.append(f"{path.relative_to(ROOT)}: older than the code ({why}): rerun {again}")
     return found
 
 
@@ -228,7 +229,7 @@ def main() -> int:
         print(f"updated {blocks} block(s) of {shown}")
     old = stale()
     for line in old:
-        print(f"STALE: {line}: rerun its benchmark (python benchmarks/run_all.py --only ...)")
+        print(f"STALE: {line}")
     if differ:
         print(
             f"not rendered from benchmarks/results: {', '.join(differ)} "

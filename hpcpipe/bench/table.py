@@ -100,15 +100,18 @@ def provenance(root: str | Path | None = None) -> dict[str, Any]:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "hpcpipe")
     from hpcpipe._sources import collect
 
+    sources = collect()
+    commit = git("rev-parse", "HEAD")
+    # pathspecs from the top of the work tree (":/"), whatever folder git runs in
+    paths = [f":/{path}" for path in sources] or [":/hpcpipe"]
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", *paths)
     return {
         "commit": commit,
         "dirty": bool(dirty) if commit else None,
         "date": date,
-        "sources": collect(),
+        "sources": sources,
     }
 
 

@@ -238,3 +238,27 @@ def test_targets_are_a_column_and_results_carry_their_commit(tmp_path):
     assert {"hpcpipe/bench/table.py", "hpcpipe/_sources.py"} <= set(measured["sources"])
     back, _ = read_report(path)
     assert back.render() == text and back.targets[0].met is False
+
+
+def test_a_result_measured_with_changed_sources_is_stamped_dirty(tmp_path):
+    """The stamp's `dirty` looks at the sources the run loaded, from the top of the work tree
+    whatever folder git runs in (it once asked about `hpcpipe/` under hpcpipe/bench/ and so
+    never fired), and a change elsewhere does not count."""
+    from hpcpipe.bench.table import provenance
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    source = tmp_path / "hpcpipe" / "bench" / "table.py"  # a source every report loads
+    source.parent.mkdir(parents=True)
+    source.write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("a\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    below = tmp_path / "hpcpipe" / "bench"
+    assert provenance(below)["dirty"] is False
+    (tmp_path / "notes.txt").write_text("b\n")
+    assert provenance(below)["dirty"] is False
+    source.write_text("x = 2\n")
+    assert provenance(below)["dirty"] is True
