@@ -83,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--deck", default="inputs/gpt_pp4.toml")
     args = ap.parse_args()
     cases = [(c, s) for c in CONFIGS for s in STRAGGLERS]
