@@ -26,9 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from hpcpipe.schedules._table import compute_table
-from hpcpipe.schedules.errors import ScheduleError
 from hpcpipe.schedules.ir import Schedule
-from hpcpipe.schedules.simulate import CostModel, SimResult, simulate
+from hpcpipe.schedules.simulate import CostModel, Reorders, SimResult, simulate
 
 __all__ = ["refine", "shift_pass_evals"]
 
@@ -48,14 +47,18 @@ def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return abs(a[0] - b[0]) <= tol_m and a[1] < b[1] - _REL * max(1.0, abs(b[1]))
 
 
+def _permutation(n: int, frm: int, to: int) -> np.ndarray:
+    """Positions 0..n-1 with `frm` moved to `to` (before or after)."""
+    idx = np.arange(n)
+    if to < frm:
+        return np.concatenate([idx[:to], [frm], idx[to:frm], idx[frm + 1 :]])
+    return np.concatenate([idx[:frm], idx[frm + 1 : to + 1], [frm], idx[to + 1 :]])
+
+
 def _moved(sched: Schedule, frm: int, to: int) -> Schedule:
     """The schedule with the action at array position `frm` moved to position `to` (same
     rank; before or after)."""
-    idx = np.arange(sched.kinds.size)
-    if to < frm:
-        idx = np.concatenate([idx[:to], [frm], idx[to:frm], idx[frm + 1 :]])
-    else:
-        idx = np.concatenate([idx[:frm], idx[frm + 1 : to + 1], [frm], idx[to + 1 :]])
+    idx = _permutation(sched.kinds.size, frm, to)
     return sched.replace_actions(
         sched.offsets, sched.kinds[idx], sched.stages[idx], sched.microbatches[idx]
     )
@@ -87,7 +90,10 @@ def refine(
 
 
 class _State:
-    """The best schedule so far, its simulation and score, and the simulations spent."""
+    """The best schedule so far, its simulation and score, and the simulations spent.
+
+    A trial is timed on the start schedule's actions in the trial's order (`Reorders`,
+    `simulate`'s figures without building a Schedule); only a kept move builds one."""
 
     def __init__(self, schedule: Schedule, costs: CostModel, budget: float | None, cap: int):
         self.best, self.costs, self.max_evals = schedule, costs, cap
@@ -95,6 +101,8 @@ class _State:
         self.score = _score(self.result)
         self.limit = np.inf if budget is None else budget + _REL * max(1.0, abs(budget))
         self.evals = 0
+        self.reorders = Reorders(schedule, costs)
+        self.order = np.arange(schedule.kinds.size)  # the best's actions, as the start's
 
     def keys(self, table) -> np.ndarray:
         return table.kind.astype(np.int64) * self.best.num_stages + table.stage
@@ -102,17 +110,15 @@ class _State:
     def tried(self, frm: int, to: int) -> bool:
         """Simulate the move of array position `frm` to `to`; keep it when it is better."""
         self.evals += 1
-        trial = _moved(self.best, frm, to)
-        try:
-            got = simulate(trial, self.costs)
-        except ScheduleError:
+        order = self.order[_permutation(self.order.size, frm, to)]
+        got = self.reorders.figures(order)
+        if got is None or got[2] > self.limit:  # a dependency cycle, or over the budget
             return False
-        if got.peak_memory.max() > self.limit:
+        if not _better(got[:2], self.score):
             return False
-        score = _score(got)
-        if not _better(score, self.score):
-            return False
-        self.best, self.result, self.score = trial, got, score
+        self.best = _moved(self.best, frm, to)
+        self.result, self.order = simulate(self.best, self.costs), order
+        self.score = _score(self.result)
         return True
 
 

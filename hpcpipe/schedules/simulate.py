@@ -25,7 +25,7 @@ from hpcpipe.schedules._rank_order import run_in_rank_order
 from hpcpipe.schedules._table import ComputeTable, compute_table, cycle_error
 from hpcpipe.schedules.ir import Action, Kind, Schedule
 
-__all__ = ["CostModel", "SimResult", "simulate"]
+__all__ = ["CostModel", "Reorders", "SimResult", "simulate"]
 
 Costs = float | Sequence[float]
 
@@ -243,18 +243,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     delay = np.where(table.cross, costs.comm_time, 0.0)
     delay2 = None if table.pair_cross is None else np.where(table.pair_cross, costs.comm_time, 0.0)
     start, end = run_rounds(table, dur, delay, delay2)
-
-    # live activations after each action, in each rank's order (= time order on that rank)
-    share = np.array([1.0, -costs.b_frees, costs.b_frees - 1.0, -1.0])
-    change = np.outer(arrays["activation"], share)  # (stage, kind) -> activation change
-    live = change[table.stage, table.kind]
-    np.cumsum(live, out=live)
-    starts = table.offsets[:-1]
-    base = np.zeros(starts.size)  # the running total before each rank's first action
-    later = starts > 0
-    base[later] = live[starts[later] - 1]
-    peak = np.maximum(_segment(np.maximum.reduceat, live, table.offsets, 0.0) - base, 0.0)
-    del live
+    change = _activation_changes(arrays, costs.b_frees)
+    peak = _peaks(change[table.stage, table.kind], table.offsets)
     busy = np.bincount(table.rank, weights=dur, minlength=schedule.num_ranks)
     return SimResult(
         schedule=schedule,
@@ -269,3 +259,57 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         busy=busy,
         peak_memory=peak,
     )
+
+
+def _activation_changes(arrays: dict[str, np.ndarray], b_frees: float) -> np.ndarray:
+    """(stage, kind) -> the change of the rank's live activations when that action runs."""
+    share = np.array([1.0, -b_frees, b_frees - 1.0, -1.0])
+    return np.outer(arrays["activation"], share)
+
+
+def _peaks(live: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Each rank's peak live activations from the changes of its actions in its order (=
+    time order on that rank); `live` is overwritten with the running totals."""
+    np.cumsum(live, out=live)
+    starts = offsets[:-1]
+    base = np.zeros(starts.size)  # the running total before each rank's first action
+    later = starts > 0
+    base[later] = live[starts[later] - 1]
+    return np.maximum(_segment(np.maximum.reduceat, live, offsets, 0.0) - base, 0.0)
+
+
+class Reorders:
+    """Makespan, sum of ends and peak memory of reorderings of one schedule's actions, each
+    rank keeping its own actions: `refine` tries thousands of moves, and building and checking
+    a Schedule for each costs several times the timing itself. The arithmetic is `simulate`'s,
+    so the figures are the same bit for bit; a reordering that cannot run (a dependency
+    cycle) gives None where `simulate` raises (for a reordering within ranks every check of
+    `compute_table` that can fail is such a cycle)."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel):
+        if schedule.is_lowered or schedule.pairs.size:
+            raise ValueError("Reorders: an unlowered schedule without overlapped pairs")
+        table = compute_table(schedule)
+        arrays = costs.stage_arrays(schedule.num_stages)
+        self._dur = durations(table, arrays)
+        self._delay = np.where(table.cross, costs.comm_time, 0.0)
+        self._dep = table.dep.astype(np.int64)  # action -> its input's action (n: none)
+        self._change = _activation_changes(arrays, costs.b_frees)[table.stage, table.kind]
+        self._offsets = table.offsets
+        self._n = table.n
+
+    def figures(self, order: np.ndarray) -> tuple[float, float, float] | None:
+        """(makespan, sum of the ends, peak over ranks) when position k runs the schedule's
+        action `order[k]` (a permutation that keeps each action on its rank's range)."""
+        n = self._n
+        at = np.empty(n + 1, dtype=np.int64)
+        at[order] = np.arange(n)
+        at[n] = n
+        _, end, stuck = run_in_rank_order(
+            self._offsets, at[self._dep[order]], None, self._dur[order], self._delay[order], None
+        )
+        if stuck is not None:
+            return None
+        end = end[:n]
+        peak = _peaks(self._change[order], self._offsets)
+        return float(end.max()) if n else 0.0, float(end.sum()), float(peak.max())
