@@ -49,7 +49,7 @@ VARIANTS = {
     ),
     "schedule_search_p16": (
         "schedule_search.py",
-        *("--p", "16", "--costs", "unit", "--skip-scale", "--jobs", "2"),
+        *("--p", "16", "--skip-scale", "--jobs", "2"),
         *("--json", "benchmarks/results/schedule_search_p16.json"),
     ),
 }
