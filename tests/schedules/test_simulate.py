@@ -208,3 +208,35 @@ def test_reorders_refuse_what_they_cannot_time():
 
     with pytest.raises(ValueError, match="unlowered"):
         Reorders(lower(build_schedule("1f1b", 2, 2)), CostModel())
+
+
+def test_reorders_compose_like_refines_kept_moves():
+    """refine keeps an order of the start schedule's actions across kept moves and times each
+    trial from it: after a chain of moves, each timed from the previous order, the figures
+    are still simulate's of the schedule built move by move."""
+    from hpcpipe.schedules.errors import ScheduleError
+    from hpcpipe.schedules.refine import _moved, _permutation
+    from hpcpipe.schedules.simulate import Reorders
+
+    s = build_schedule("v-half", 4, 8)
+    costs = CostModel(**{**cost_model(PipelineConfig(), 4, s.num_stages).__dict__,
+                         "comm_latency": 0.2, "b_frees": 0.3})  # fmt: skip
+    reorders, order, current = Reorders(s, costs), np.arange(s.kinds.size), s
+    rng = np.random.default_rng(3)
+    kept = 0
+    while kept < 25:
+        r = int(rng.integers(4))
+        lo, hi = int(s.offsets[r]), int(s.offsets[r + 1])
+        frm = int(rng.integers(lo, hi))
+        to = int(np.clip(frm + rng.integers(-4, 5), lo, hi - 1))
+        trial = order[_permutation(order.size, frm, to)]
+        got = reorders.figures(trial)
+        try:
+            moved = _moved(current, frm, to)
+            ref = simulate(moved, costs)
+        except ScheduleError:
+            assert got is None
+            continue
+        assert got == (ref.makespan, float(ref.end.sum()), float(ref.peak_memory.max()))
+        order, current, kept = trial, moved, kept + 1
+    assert not np.array_equal(order, np.arange(s.kinds.size))
