@@ -5,8 +5,10 @@ every action; every `check_every` steps those times (medians over the window) ar
 rate per pipeline rank (seconds per unit of layer weight, per action kind), the layer partition
 is re-balanced for those rates and then moved a stage boundary at a time while the simulator,
 fed the same rates, predicts a shorter step. A switch happens only when the predicted gain
-clears `min_gain`, and not within `cooldown` checks of the last one, so measurement noise never
-makes the plan flap.
+clears `min_gain` in two windows in a row (the plan proposed in one is predicted again from the
+next one's costs: chosen as the best for its own window, a plan's gain there is biased high by
+that window's noise), and not within `cooldown` checks of the last one, so measurement noise
+never makes the plan flap.
 
 Everything here is pure (numbers in, numbers out); `hpcpipe.train.workload` gathers the costs,
 shares rank 0's decision and moves the layers (`hpcpipe.mpi.collectives.exchange_objects`).
@@ -73,6 +75,13 @@ class ReplanConfig:
     )
     cooldown: int = option(
         1, "checks after a switch during which no other switch happens", minimum=0
+    )
+    confirm: bool = option(
+        True,
+        "switch only when the next check predicts the proposed plan at least `min_gain` "
+        "faster again, from its own window's costs (a plan is chosen as the best for its "
+        "window, so the gain predicted there includes that window's noise); costs one check "
+        "of delay. A plan made for a slow rank is left at once when the slowdown eases",
     )
     search: bool = option(
         False,
@@ -145,6 +154,9 @@ class Proposal:
     """The schedule to switch to (None: keep the current one)."""
     current_name: str = ""
     current_microbatches: int = 0
+    recheck: Proposal | None = None
+    """The previous check's proposal, predicted again from this window's costs (None: there
+    was none for the running plan)."""
 
     @property
     def gain(self) -> float:
@@ -251,6 +263,8 @@ class Replanner:
     proven deadlock-free for, as the deck's own is before the run; 0: nonblocking sends."""
     _search_key: tuple[Any, ...] | None = None
     _searched: Any = None  # the search's answer for `_search_key` (a Found, or None)
+    _pending: Proposal | None = None  # the last check's proposal that waits for the next
+    _pending_base: tuple[Any, ...] = ()  # ... made for this partition and schedule
 
     def propose(self, current: Sequence[range], measured: Measured) -> Proposal:
         """Estimate rank speeds and unit costs from `measured`, balance the partition for
@@ -324,15 +338,28 @@ class Replanner:
             after = found.makespan
         else:
             found = None
+        seen = tuple(float(x) for x in slowness)
+        recheck = None
+        pending = self._pending
+        if pending is not None and self._pending_base == (tuple(current), schedule.fingerprint()):
+            if pending.schedule is None:
+                again = predict(pending.ranges)
+            else:  # its microbatches hold m / count of the current rows each
+                rows = schedule.num_microbatches / pending.schedule.num_microbatches
+                again = simulate(pending.schedule, modelled_costs(pending.ranges, rows)).makespan
+            recheck = replace(
+                pending, slowness=seen, predicted_now=before, predicted_new=again, recheck=None
+            )
         return Proposal(
             ranges,
             tuple(current),
-            tuple(float(x) for x in slowness),
+            seen,
             before,
             after,
             found.schedule if found is not None else None,
             schedule_label(schedule),
             schedule.num_microbatches,
+            recheck,
         )
 
     def _search(
@@ -390,30 +417,55 @@ class Replanner:
             return False
         return True
 
-    def decide(self, proposal: Proposal) -> bool:
-        """Whether to switch to `proposal` now (and remember it when so).
+    def decide(self, proposal: Proposal) -> Proposal | None:
+        """The plan to switch to now (remembered as such), or None to keep the running one.
 
         A switch needs a predicted gain of `min_gain`: the hysteresis that keeps noise in the
-        measured costs from moving layers. A partition a switch made for a slow rank is left
-        for any predicted gain once that slowdown has eased by more than `min_gain` (the
-        slowest rank's slowness, relative to the fastest, has dropped by more than that
-        fraction since the layers last moved): a slowdown that ends is evidence, not noise,
-        and the partition made for it would otherwise stay up to `min_gain` slower than the
-        balanced one. Only an easing after a move of layers counts, so noise in the window of
-        a switch of schedule alone, or around a partition made for equal ranks, never makes
-        a plan switch on a smaller gain."""
+        measured costs from moving layers. With `confirm`, the gain must show in two windows
+        in a row: a proposal that clears it waits, and the next check predicts that same plan
+        again from its own window's costs (`Proposal.recheck`); the switch is to it when it
+        clears `min_gain` there too. A plan is the best of many for the window it was chosen
+        in, so its gain there includes that window's noise (which is how a quiet run used to
+        switch); the next window's noise is independent of that choice.
+
+        A partition a switch made for a slow rank is left at once, for any predicted gain, once
+        that slowdown has eased by more than `min_gain` (the slowest rank's slowness, relative
+        to the fastest, has dropped by more than that fraction since the layers last moved): a
+        slowdown that ends is evidence, not noise, and the partition made for it would
+        otherwise stay up to `min_gain` slower than the balanced one. Only an easing after a
+        move of layers counts, so noise in the window of a switch of schedule alone, or around
+        a partition made for equal ranks, never makes a plan switch on a smaller gain."""
+        cooling = False
         if self.checks_since_switch is not None:
             self.checks_since_switch += 1
-            if self.checks_since_switch <= self.config.cooldown:
-                return False
-        if not proposal.changes or proposal.gain <= 0.0:
-            return False
-        if proposal.gain < self.config.min_gain and not self._slowdown_eased(proposal.slowness):
-            return False
+            cooling = self.checks_since_switch <= self.config.cooldown
+        chosen = None if cooling else self._choose(proposal)
+        self._pending = None
+        if chosen is None:
+            if self._clears(proposal):
+                self._pending = proposal
+                self._pending_base = (proposal.current, self.schedule.fingerprint())
+            return None
         self.checks_since_switch = 0
-        if proposal.ranges != proposal.current:  # layers moved: for these speeds
-            self.planned_for = proposal.slowness
-        return True
+        if chosen.ranges != chosen.current:  # layers moved: for these speeds
+            self.planned_for = chosen.slowness
+        return chosen
+
+    def waiting(self) -> bool:
+        """Whether a proposal waits for the next check to confirm it."""
+        return self._pending is not None
+
+    def _choose(self, proposal: Proposal) -> Proposal | None:
+        """The plan to switch to now, if any (`decide`)."""
+        if proposal.changes and proposal.gain > 0.0 and self._slowdown_eased(proposal.slowness):
+            return proposal
+        if not self.config.confirm:
+            return proposal if self._clears(proposal) else None
+        again = proposal.recheck
+        return again if again is not None and self._clears(again) else None
+
+    def _clears(self, proposal: Proposal) -> bool:
+        return proposal.changes and proposal.gain > 0.0 and proposal.gain >= self.config.min_gain
 
     def _slowdown_eased(self, slowness: Sequence[float]) -> bool:
         """Whether the slowest rank the last switch was made for is now faster by more than

@@ -372,17 +372,19 @@ class Trainer:
             if len({s for _, s in merged[0]}) == self.schedule.num_stages:
                 assert self.replanner is not None
                 proposal = self.replanner.propose(self.ranges, Measured(*merged))
-                if self.replanner.decide(proposal):
+                chosen = self.replanner.decide(proposal)
+                if chosen is not None:
                     decision = (
-                        [(r.start, r.stop) for r in proposal.ranges],
-                        proposal.describe(),
-                        proposal.gain,
-                        proposal.predicted_now,
-                        proposal.predicted_new,
-                        proposal.schedule,  # a searched schedule to switch to, or None
+                        [(r.start, r.stop) for r in chosen.ranges],
+                        chosen.describe(),
+                        chosen.gain,
+                        chosen.predicted_now,
+                        chosen.predicted_new,
+                        chosen.schedule,  # a searched schedule to switch to, or None
                     )
                 elif ctx.verbose:  # why it stays, for whoever tunes [replan]
-                    ctx.log(f"replan check after step {done}: kept; {proposal.describe()}")
+                    waits = "; waits for the next check" if self.replanner.waiting() else ""
+                    ctx.log(f"replan check after step {done}: kept; {proposal.describe()}{waits}")
         decision = world.bcast(decision, root=0)
         if decision is not None:
             bounds, text, gain, before, after, schedule = decision

@@ -139,22 +139,24 @@ def test_a_4_rank_pipeline_on_a_synthetic_device_moves_layers_off_a_middle_rank_
     mpirun, tmp_path
 ):
     """pp = 4 on 2 cores: the synthetic device's units last their modelled time whoever shares
-    the core, so a 2x slow middle rank is measured as such; the plan made for it is left once
-    the slowdown ends, though going back gains less than min_gain here (about 4%, 5% wanted):
-    the speeds it was made for are gone."""
+    the core, so a 2x slow middle rank is measured as such: the check after step 4 proposes a
+    plan for it and the one after step 8 confirms it (`replan.confirm`). That plan is left once
+    the slowdown ends (after step 16: the check after step 12 is the switch's cooldown), though
+    going back gains less than min_gain here (about 4%, 5% wanted): the speeds it was made for
+    are gone."""
     r, switches = _run(
         mpirun,
         tmp_path,
         4,
         SYNTHETIC,
         "rank=1,at=step:2,kind=slow,factor=2,until=9",
-        steps=16,
+        steps=20,
         verbose=True,
     )
     assert "synthetic_us_per_row=500" in r.stdout, r.stdout
     assert len(switches) >= 2, r.stdout
     step, before, after = switches[0]
-    assert step == 4 and before == [4, 4, 4, 4] and after[1] < 4, switches
+    assert step == 8 and before == [4, 4, 4, 4] and after[1] < 4, switches
     back = [after for step, _, after in switches if step > 9]
     assert back and back[-1][1] >= 4, switches  # rank 1 holds a full share again
 
@@ -200,6 +202,7 @@ def test_a_rank_lost_during_the_move_ends_the_job_and_its_checkpoint_resumes(mpi
         "topology.pp=2",
         "replan.enabled=true",
         "replan.check_every=4",
+        "replan.confirm=false",  # the move at the first check, after step 4
         "checkpoint.every=2",
         "checkpoint.fsync=false",
         "train.verify=true",

@@ -249,7 +249,9 @@ def _proposal(gain: float, changes: bool = True) -> Proposal:
 
 
 def test_the_switching_rule_has_a_threshold_and_a_cooldown():
-    planner = Replanner(ReplanConfig(min_gain=0.1, cooldown=2), build_schedule("1f1b", 2, 4), [])
+    planner = Replanner(
+        ReplanConfig(min_gain=0.1, cooldown=2, confirm=False), build_schedule("1f1b", 2, 4), []
+    )
     assert not planner.decide(_proposal(0.05))  # below min_gain: noise
     assert not planner.decide(_proposal(0.5, changes=False))  # nothing to change
     assert planner.decide(_proposal(0.3))
@@ -266,7 +268,9 @@ def test_a_plan_made_for_a_slowdown_is_left_when_the_slowdown_ends():
         current, ranges = (range(0, 5), range(5, 8)), (range(0, 4), range(4, 8))
         return Proposal(ranges, current, slowness, 1.0, 1.0 - gain)
 
-    planner = Replanner(ReplanConfig(min_gain=0.05, cooldown=0), build_schedule("1f1b", 2, 4), [])
+    planner = Replanner(
+        ReplanConfig(min_gain=0.05, cooldown=0, confirm=False), build_schedule("1f1b", 2, 4), []
+    )
     assert not planner.decide(proposal(0.03, (1.0, 2.0)))  # before any switch: min_gain
     assert planner.decide(proposal(0.4, (1.0, 2.0)))
     assert planner.planned_for == (1.0, 2.0)
@@ -288,11 +292,60 @@ def test_a_switch_of_schedule_alone_sets_no_slowdown_to_ease():
     must not let the next window's noise switch again below min_gain."""
     same = (range(0, 4), range(4, 8))
     schedule_only = Proposal(same, same, (1.0, 1.08), 1.0, 0.9, build_schedule("zb-h1", 2, 4))
-    planner = Replanner(ReplanConfig(min_gain=0.05, cooldown=0), build_schedule("1f1b", 2, 4), [])
+    planner = Replanner(
+        ReplanConfig(min_gain=0.05, cooldown=0, confirm=False), build_schedule("1f1b", 2, 4), []
+    )
     assert planner.decide(schedule_only)
     assert planner.planned_for == ()
     again = Proposal(same, same, (1.0, 1.0), 1.0, 0.98, build_schedule("zb-h2", 2, 4))
     assert not planner.decide(again)
+
+
+def test_a_switch_needs_the_gain_in_two_windows_in_a_row():
+    """With `confirm` (the default) a proposal that clears min_gain waits; the next check
+    predicts that same plan from its own window, and the switch is to it if the gain holds.
+    A window whose noise made one rank look slow proposes a plan the next window does not
+    confirm: nothing moves."""
+    schedule = build_schedule("1f1b", 2, 4)
+    even = (range(0, 4), range(4, 8))
+    planner = Replanner(ReplanConfig(enabled=True), schedule, GROUPS)
+    first = planner.propose(even, _measured(schedule, even, [1.0, 2.0]))
+    assert first.changes and first.gain > 0.1 and first.recheck is None
+    assert planner.decide(first) is None and planner.waiting()
+    second = planner.propose(even, _measured(schedule, even, [1.0, 2.0]))
+    again = second.recheck
+    assert again is not None and again.ranges == first.ranges
+    # the same plan, predicted from the second window (here equal to the first)
+    assert again.predicted_new == pytest.approx(first.predicted_new, rel=1e-12)
+    assert again.predicted_now == pytest.approx(second.predicted_now, rel=1e-12)
+    assert planner.decide(second) is again and not planner.waiting()
+    assert planner.planned_for == pytest.approx((1.0, 2.0))
+
+    noisy = Replanner(ReplanConfig(enabled=True), schedule, GROUPS)
+    spike = noisy.propose(even, _measured(schedule, even, [1.0, 1.3]))
+    assert spike.gain >= 0.05 and noisy.decide(spike) is None and noisy.waiting()
+    quiet = noisy.propose(even, _measured(schedule, even, [1.0, 1.0]))
+    assert quiet.recheck is not None and quiet.recheck.gain < 0.05  # not confirmed
+    assert noisy.decide(quiet) is None and not noisy.waiting()
+    # and a confirmation counts only for the plan it was proposed against
+    noisy.decide(noisy.propose(even, _measured(schedule, even, [1.0, 2.0])))
+    other = (range(0, 3), range(3, 8))
+    assert noisy.propose(other, _measured(schedule, other, [1.0, 2.0])).recheck is None
+
+
+def test_a_searched_schedule_is_confirmed_from_the_next_window():
+    """With `search` the pending plan's schedule is simulated again with the next window's
+    costs for its partition (and its microbatches' rows)."""
+    schedule = build_schedule("1f1b", 2, 2)
+    even = (range(0, 4), range(4, 8))
+    planner = Replanner(ReplanConfig(enabled=True, search=True), schedule, GROUPS, rows=16)
+    first = planner.propose(even, _measured(schedule, even, [1.0, 2.0]))
+    assert first.schedule is not None and first.schedule.num_microbatches != 2
+    assert planner.decide(first) is None
+    second = planner.propose(even, _measured(schedule, even, [1.0, 2.0]))
+    assert second.recheck.schedule is first.schedule
+    assert second.recheck.predicted_new == pytest.approx(first.predicted_new, rel=1e-9)
+    assert planner.decide(second) is second.recheck
 
 
 def test_action_costs_are_per_action_medians():
