@@ -27,7 +27,7 @@ import numpy as np
 
 from hpcpipe.schedules.ir import Kind, Schedule
 
-__all__ = ["compacted_v", "half_block", "min_block"]
+__all__ = ["compacted_v", "half_block", "min_block", "repeated_peak"]
 
 F0, F1, B1, B0, W = range(5)
 _DOWN = (F0, B1)  # flows from rank r-1 to rank r
@@ -74,6 +74,16 @@ def _peak(row: Row) -> int:
     arrived = np.cumsum(bwd)
     done = free + np.minimum(np.minimum.accumulate(arrived - free), 0)
     return max(0, int((np.cumsum(fwd) - done).max()))
+
+
+def repeated_peak(block: np.ndarray, m: int) -> int:
+    """Peak chunk activations on the fullest rank of `block` (rows F0 F1 B1 B0 per rank)
+    repeated m times, each W in the first free slot after its B. Its compaction keeps it
+    (`compacted_v` moves an action only where the rank's peak does not rise; the family of
+    `vfamily` is tested for equality with the simulator's peak), so a budget can pick blocks
+    before any is built."""
+    reps = PERIOD * np.arange(m, dtype=np.int64)
+    return max(_peak([block[r, typ] + reps for typ in range(4)]) for r in range(len(block)))
 
 
 def _put_w(row: Row, split: bool) -> Row:

@@ -15,7 +15,9 @@ stages and free communication. The search builds schedules for the deck's own co
    greedy goes on from there, kept when the makespan drops (or stays, with ranks finishing
    earlier in sum).
 3. **Seeds.** Every fixed schedule that fits the budget joins the pool, so the result is never
-   slower than the best of them under the same costs.
+   slower than the best of them under the same costs; on the V placement so do the blocks of
+   the V family (`vfamily`) with the most activations the budget holds, the steps between
+   V-Min, V-Half and ZB-V.
 4. **Refinement.** The fastest few of the pool are improved under the deck's costs by moving
    actions into the gaps of their simulated timeline (`refine`).
 
@@ -45,6 +47,7 @@ from hpcpipe.schedules.refine import refine, shift_pass_evals
 from hpcpipe.schedules.registry import SCHEDULE_NAMES, build_schedule
 from hpcpipe.schedules.simulate import simulate
 from hpcpipe.schedules.validate import validate
+from hpcpipe.schedules.vfamily import members
 
 __all__ = [
     "BudgetError",
@@ -397,6 +400,9 @@ def search(
     for item in fixed if fixed is not None else fixed_points(p, m, costs_for, placements):
         if isinstance(item, Found) and _fits(item.peak, cap) and placed(item):
             add(item)
+    if True in placements:  # after the published schedules: they win a tie
+        for found in _family(p, m, costs_for, budget):
+            add(found)
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
     budget_evals = _refine_evals(p, m)
     for *_, found in ranked[:REFINED]:
@@ -419,6 +425,24 @@ def search(
         params = (("p", p), ("m", m), ("memory_budget", budget), ("how", found.how))
         return replace(found, schedule=_renamed(found.schedule, params))
     raise BudgetError(cap, floor)  # pragma: no cover - depth-1 greedy always fits the floor
+
+
+FAMILY_ACTIONS = 1_000_000
+"""Actions of the V block family's schedules (`vfamily.members`) one search may build and
+simulate: all of its blocks at the budget's peak up to p = 16, m = 128; 10 of them at p = 64,
+m = 256. A count, not a time."""
+
+
+def _family(p: int, m: int, costs_for: CostsFor, budget: float | None) -> list[Found]:
+    """The V block family's schedules at the most activations `budget` holds, simulated under
+    the costs (the steps between the published V-Min, V-Half and ZB-V)."""
+    costs = costs_for(2 * p)
+    out = []
+    for member, sched in members(p, m, costs, budget, FAMILY_ACTIONS):
+        result = simulate(sched, costs)
+        peak = float(result.peak_memory.max())
+        out.append(Found(sched, result.makespan, peak, member.describe()))
+    return out
 
 
 def _shapes(p: int, placements: Sequence[bool]) -> set[tuple[tuple[int, ...], ...]] | None:

@@ -30,6 +30,8 @@ microbatches, for every p we test; bubble rates about 2p/(3m) and p/(2m). Any m 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hpcpipe.schedules._build import COMPACT_MAX_P, check_pm, concat, fastest, phase
@@ -114,12 +116,16 @@ def _zb_v_written(p: int, m: int) -> Schedule:
 # ---------------------------------------------------------------- building blocks
 
 
-def building_block(p: int, climb: int) -> np.ndarray:
+def building_block(p: int, climb: int | Sequence[int]) -> np.ndarray:
     """Offsets (3 x 2p: F, B, W per stage) of one microbatch's block on the V placement.
 
     Each action goes at the first time >= its input's end (+1 unit of work) whose slot
-    modulo PERIOD is free on its rank; the descent steps by 1 per stage, the climb by `climb`.
+    modulo PERIOD is free on its rank; the descent steps by 1 per stage, the climb by `climb`
+    (or by `climb[i]` into the i-th stage of the second chunk, counted from the turn).
     """
+    climbs = [climb] * p if isinstance(climb, int | np.integer) else list(climb)
+    if len(climbs) != p:
+        raise ValueError(f"building_block: {len(climbs)} climbs for the {p} second-chunk stages")
     stages = 2 * p
     rank = [s if s < p else stages - 1 - s for s in range(stages)]
     used: list[set[int]] = [set() for _ in range(p)]
@@ -133,7 +139,7 @@ def building_block(p: int, climb: int) -> np.ndarray:
 
     off = np.zeros((3, stages), dtype=np.int64)
     for s in range(stages):
-        off[0, s] = place(s, 0 if s == 0 else off[0, s - 1] + (1 if s < p else climb))
+        off[0, s] = place(s, 0 if s == 0 else off[0, s - 1] + (1 if s < p else climbs[s - p]))
     for s in range(stages - 1, -1, -1):
         off[1, s] = place(s, (off[0, s] if s == stages - 1 else off[1, s + 1]) + 1)
     for s in range(stages):

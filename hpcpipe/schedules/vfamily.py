@@ -1,0 +1,94 @@
+"""The memory-controllable V family between the published points: blocks for the budgets that
+V-Min, V-Half and ZB-V skip.
+
+A V block's second-chunk forwards climb back up the ranks one slot per stage (V-Min's block,
+`vshape.building_block(p, 1)`), two (V-Half's) or three. A slot more of climb into a stage
+lengthens the lifespans of the activations held below it, so the repeated block holds more
+microbatches in flight, and rank 0, whose last forward's round trip ends the schedule, starts
+that forward earlier. Mixing the climbs, k stages at c + 1 and the others at c (the k next to
+the turn or the k next to the end), gives blocks at every peak between two published ones;
+each is repeated and compacted like V-Min and V-Half (`blocks.compacted_v`). Unit costs,
+p = 16, m = 16: a budget of 7 takes 74.5 (the lower bound; V-Min at peak 6 takes 77.5, V-Half
+at 9 takes 68.5), and p = 8, m = 64, budget 5.5 takes 199.5 against V-Half's 200.5.
+
+A block's peak is known before it is built (`blocks.repeated_peak`), so `members` builds only
+the blocks with the most activations the budget holds (more in flight: the last forward
+starts earlier), within a count of simulated actions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcpipe.schedules.blocks import compacted_v, repeated_peak
+from hpcpipe.schedules.ir import Schedule
+from hpcpipe.schedules.simulate import CostModel
+from hpcpipe.schedules.vshape import building_block
+
+__all__ = ["Member", "climbs", "members"]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One block of the family: its climb per second-chunk stage (from the turn) and its
+    peak in chunk activations."""
+
+    climb: tuple[int, ...]
+    chunks: int
+
+    def describe(self) -> str:
+        base = min(self.climb)
+        k = self.climb.count(base + 1)
+        where = "next to the turn" if self.climb[0] > base else "next to the end"
+        return f"V block family: climb {base + 1} into {k} stages {where}, {base} elsewhere"
+
+
+def climbs(p: int) -> Iterator[tuple[int, ...]]:
+    """The mixed climbs: base 1 (V-Min to V-Half) and 2 (V-Half to ZB-V), k = 1 .. p-1 stages
+    one slot steeper, next to the turn, then next to the end."""
+    for base in (1, 2):
+        for turn in (True, False):
+            for k in range(1, p):
+                yield tuple(base + 1 if (i < k if turn else i >= p - k) else base for i in range(p))
+
+
+def _paper(off: np.ndarray, p: int) -> np.ndarray:
+    """Block offsets per stage (F, B rows of `building_block`) as rows F0 F1 B1 B0 per rank."""
+    last = 2 * p - 1
+    return np.array([[off[0, r], off[0, last - r], off[1, last - r], off[1, r]] for r in range(p)])
+
+
+def members(
+    p: int, m: int, costs: CostModel, budget: float | None, max_actions: int
+) -> list[tuple[Member, Schedule]]:
+    """The family's schedules with the largest peak that fits `budget` (in the units of
+    `costs.activation`; None: any), built while their actions add up to `max_actions`.
+
+    Chunk activations are counted at the largest stage's (a bound: the simulator's peak, in
+    the deck's units, is what the search then checks)."""
+    if p < 2:
+        return []
+    act = float(costs.stage_arrays(2 * p)["activation"].max())
+    room = np.inf if budget is None or act <= 0 else budget / act + 1e-9
+    blocks = []
+    for climb in climbs(p):
+        block = _paper(building_block(p, climb), p)
+        chunks = repeated_peak(block, m)
+        if chunks <= room:
+            blocks.append((Member(climb, chunks), block))
+    if not blocks:
+        return []
+    top = max(member.chunks for member, _ in blocks)
+    out = []
+    budget_left = max_actions
+    for member, block in blocks:
+        if member.chunks != top:
+            continue
+        budget_left -= 6 * p * m
+        if budget_left < 0:
+            break
+        out.append((member, compacted_v("v-family", p, m, block)))
+    return out

@@ -1,0 +1,84 @@
+"""The V block family between the published points: every block builds a valid schedule whose
+peak is known before it is built, the family fills the budgets V-Min, V-Half and ZB-V skip,
+and the search takes it."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcpipe.schedules import build_schedule, simulate, validate
+from hpcpipe.schedules.blocks import compacted_v, repeated_peak
+from hpcpipe.schedules.bound import lower_bound
+from hpcpipe.schedules.config import PipelineConfig, costs_for
+from hpcpipe.schedules.search import search
+from hpcpipe.schedules.vfamily import _paper, climbs, members
+from hpcpipe.schedules.vshape import building_block, v_placement
+
+
+def _unit(p: int, m: int):
+    return costs_for(PipelineConfig(microbatches=m), p)(2 * p)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 7, 8])
+def test_every_block_is_a_valid_schedule_with_the_peak_known_before_it_is_built(p):
+    for m in (p, 2 * p + 1):
+        costs = _unit(p, m)
+        for climb in climbs(p):
+            block = _paper(building_block(p, climb), p)
+            sched = compacted_v("v-family", p, m, block)
+            validate(sched)  # dependencies, every stage's microbatches in order, channels
+            assert [tuple(r) for r in sched.stages_of_rank] == v_placement(p)
+            peak = float(simulate(sched, costs).peak_memory.max())
+            assert peak == repeated_peak(block, m) * 0.5, (climb, m)  # a chunk: half a share
+
+
+def test_the_family_fills_the_budgets_between_the_published_points():
+    """Unit costs, p = 16, m = 16: V-Min takes 77.5 at peak 6 and V-Half 68.5 at peak 9; the
+    family's best at each half-step between is strictly between them and falls as the budget
+    grows, and at 7 it is at the lower bound (optimal)."""
+    p, m = 16, 16
+    costs = _unit(p, m)
+    v_min = simulate(build_schedule("v-min", p, m), costs).makespan
+    v_half = simulate(build_schedule("v-half", p, m), costs).makespan
+    assert (v_min, v_half) == (77.5, 68.5)
+    best = []
+    for budget in (7.0, 7.5, 8.0, 8.5):
+        got = members(p, m, costs, budget, 10**9)
+        assert got
+        results = [simulate(s, costs) for _, s in got]
+        assert all(r.peak_memory.max() <= budget for r in results)
+        assert {member.chunks for member, _ in got} == {round(2 * budget)}  # the most it holds
+        best.append(min(r.makespan for r in results))
+    assert v_min > best[0] > best[1] > best[2] > best[3] > v_half, best
+    # the last rank alone proves it (exactly, within 300,000 states of its search)
+    bound = lower_bound(v_placement(p), m, costs, 7.0, target=best[0], max_states=300_000)
+    assert best[0] == bound.makespan == 74.5 and "rank 15 alone" in bound.why
+
+
+def test_members_keep_to_the_budget_and_the_count_of_actions():
+    p, m = 8, 16
+    costs = _unit(p, m)
+    assert members(p, m, costs, 3.0, 10**9) == []  # below every block's peak (V-Min's: 3)
+    assert members(1, m, _unit(1, m), None, 10**9) == []
+    every = members(p, m, costs, 5.5, 10**9)
+    assert len(every) > 2
+    assert len(members(p, m, costs, 5.5, 2 * 6 * p * m)) == 2  # two schedules' actions
+    assert members(p, m, costs, 5.5, 6 * p * m - 1) == []
+    assert all(member.chunks * 0.5 <= 5.5 for member, _ in every)
+    assert "V block family: climb 3 into" in every[0][0].describe()
+
+
+def test_building_block_takes_a_climb_per_second_chunk_stage():
+    assert (building_block(4, 2) == building_block(4, [2, 2, 2, 2])).all()
+    with pytest.raises(ValueError, match="3 climbs for the 4 second-chunk stages"):
+        building_block(4, [1, 2, 1])
+
+
+def test_the_search_beats_v_half_between_its_budget_and_zb_vs():
+    """p = 8, m = 64, unit costs, budget 5.5: V-Half (peak 5) takes 200.5 and neither the
+    greedy nor refinement finds better; a family block holding 11 chunks takes 199.5."""
+    p, m = 8, 64
+    found = search(p, m, costs_for(PipelineConfig(microbatches=m), p), 5.5)
+    assert found.makespan == 199.5 and found.peak <= 5.5
+    assert found.schedule.param("how").startswith("V block family")
+    validate(found.schedule)
