@@ -384,7 +384,9 @@ def _partition_text(config: Config, pp: int) -> str:
         r = config.replan
         lines.append(
             f"re-planned while training from measured costs: every {r.check_every} steps, "
-            f"when the predicted gain is >= {r.min_gain:.0%} (cooldown {r.cooldown} checks)"
+            f"when the predicted gain is >= {r.min_gain:.0%}"
+            + (" at two checks in a row" if r.confirm else "")
+            + f" (cooldown {r.cooldown} checks)"
         )
     return "\n".join(lines)
 

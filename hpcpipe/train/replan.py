@@ -80,8 +80,9 @@ class ReplanConfig:
         True,
         "switch only when the next check predicts the proposed plan at least `min_gain` "
         "faster again, from its own window's costs (a plan is chosen as the best for its "
-        "window, so the gain predicted there includes that window's noise); costs one check "
-        "of delay. A plan made for a slow rank is left at once when the slowdown eases",
+        "window, so the gain predicted there includes that window's noise); costs the first "
+        "switch one check of delay. A plan made for a slow rank is left at once when the "
+        "slowdown eases",
     )
     search: bool = option(
         False,
@@ -241,7 +242,8 @@ def estimate_speeds(
 @dataclass
 class Replanner:
     """Rank 0's re-planning state: what layers cost on a nominal rank (learnt at every check),
-    and the switching rule: a gain threshold, and a cooldown after each switch."""
+    and the switching rule: a gain threshold, met in two windows in a row (`confirm`), and a
+    cooldown after each switch."""
 
     config: ReplanConfig
     schedule: Schedule
@@ -426,7 +428,10 @@ class Replanner:
         again from its own window's costs (`Proposal.recheck`); the switch is to it when it
         clears `min_gain` there too. A plan is the best of many for the window it was chosen
         in, so its gain there includes that window's noise (which is how a quiet run used to
-        switch); the next window's noise is independent of that choice.
+        switch); the next window's noise is independent of that choice. A check within the
+        cooldown cannot switch but may propose, so after a switch the first check past the
+        cooldown can confirm; a check that cannot propose (a stage not timed) keeps the
+        proposal waiting.
 
         A partition a switch made for a slow rank is left at once, for any predicted gain, once
         that slowdown has eased by more than `min_gain` (the slowest rank's slowness, relative
@@ -442,7 +447,7 @@ class Replanner:
         chosen = None if cooling else self._choose(proposal)
         self._pending = None
         if chosen is None:
-            if self._clears(proposal):
+            if self.config.confirm and self._clears(proposal):
                 self._pending = proposal
                 self._pending_base = (proposal.current, self.schedule.fingerprint())
             return None
@@ -465,6 +470,7 @@ class Replanner:
         return again if again is not None and self._clears(again) else None
 
     def _clears(self, proposal: Proposal) -> bool:
+        """Whether `proposal` changes the plan for a predicted gain of at least `min_gain`."""
         return proposal.changes and proposal.gain > 0.0 and proposal.gain >= self.config.min_gain
 
     def _slowdown_eased(self, slowness: Sequence[float]) -> bool:

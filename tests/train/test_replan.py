@@ -312,14 +312,19 @@ def test_a_switch_needs_the_gain_in_two_windows_in_a_row():
     first = planner.propose(even, _measured(schedule, even, [1.0, 2.0]))
     assert first.changes and first.gain > 0.1 and first.recheck is None
     assert planner.decide(first) is None and planner.waiting()
-    second = planner.propose(even, _measured(schedule, even, [1.0, 2.0]))
+    second = planner.propose(even, _measured(schedule, even, [1.0, 1.8]))
     again = second.recheck
     assert again is not None and again.ranges == first.ranges
-    # the same plan, predicted from the second window (here equal to the first)
-    assert again.predicted_new == pytest.approx(first.predicted_new, rel=1e-12)
+    # the same plan, predicted from the second window: as the simulator fed with what that
+    # partition measures at the second window's speeds
+    truth = Replanner(ReplanConfig(enabled=True), schedule, GROUPS).propose(
+        first.ranges, _measured(schedule, first.ranges, [1.0, 1.8])
+    )
+    assert again.predicted_new == pytest.approx(truth.predicted_now, rel=1e-9)
+    assert again.predicted_new != pytest.approx(first.predicted_new, rel=1e-3)
     assert again.predicted_now == pytest.approx(second.predicted_now, rel=1e-12)
     assert planner.decide(second) is again and not planner.waiting()
-    assert planner.planned_for == pytest.approx((1.0, 2.0))
+    assert planner.planned_for == pytest.approx((1.0, 1.8))
 
     noisy = Replanner(ReplanConfig(enabled=True), schedule, GROUPS)
     spike = noisy.propose(even, _measured(schedule, even, [1.0, 1.3]))
@@ -328,9 +333,43 @@ def test_a_switch_needs_the_gain_in_two_windows_in_a_row():
     assert quiet.recheck is not None and quiet.recheck.gain < 0.05  # not confirmed
     assert noisy.decide(quiet) is None and not noisy.waiting()
     # and a confirmation counts only for the plan it was proposed against
-    noisy.decide(noisy.propose(even, _measured(schedule, even, [1.0, 2.0])))
+    assert noisy.decide(noisy.propose(even, _measured(schedule, even, [1.0, 2.0]))) is None
+    assert noisy.waiting()
     other = (range(0, 3), range(3, 8))
     assert noisy.propose(other, _measured(schedule, other, [1.0, 2.0])).recheck is None
+    assert noisy.propose(even, _measured(schedule, even, [1.0, 2.0])).recheck is not None
+
+
+def test_confirmation_with_the_cooldown_and_a_slowdown_that_eases():
+    """A check within the cooldown cannot switch but may propose: the first check past it
+    confirms. A plan made for a slow rank is left at once when the slowdown eases (evidence,
+    not noise: no second window)."""
+    schedule = build_schedule("1f1b", 2, 4)
+    even = (range(0, 4), range(4, 8))
+
+    def check(planner, ranges, slowness):
+        return planner.decide(planner.propose(ranges, _measured(schedule, ranges, slowness)))
+
+    planner = Replanner(ReplanConfig(enabled=True, cooldown=1), schedule, GROUPS)
+    assert check(planner, even, [1.0, 1.3]) is None and planner.waiting()
+    moved = check(planner, even, [1.0, 1.3])
+    assert moved is not None and moved.ranges != even
+    now = moved.ranges
+    # rank 1 slows further (not an easing): the check in the cooldown proposes, the next confirms
+    assert check(planner, now, [1.0, 2.5]) is None and planner.waiting()
+    again = check(planner, now, [1.0, 2.5])
+    assert again is not None and len(again.ranges[1]) < len(now[1])
+
+    eased = Replanner(ReplanConfig(enabled=True, cooldown=0), schedule, GROUPS)
+    assert check(eased, even, [1.0, 2.0]) is None
+    slow = check(eased, even, [1.0, 2.0])
+    assert slow is not None and not eased.waiting()
+    back = check(eased, slow.ranges, [1.0, 1.0])  # the first window after the slowdown
+    assert back is not None and [len(r) for r in back.ranges] == [4, 4]
+
+    off = Replanner(ReplanConfig(enabled=True, confirm=False), schedule, GROUPS)
+    first = off.propose(even, _measured(schedule, even, [1.0, 2.0]))
+    assert off.decide(first) is first and not off.waiting()  # switches on the first window
 
 
 def test_a_searched_schedule_is_confirmed_from_the_next_window():
