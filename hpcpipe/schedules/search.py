@@ -88,7 +88,8 @@ class BudgetError(ValueError):
 @dataclass(frozen=True)
 class Found:
     """A schedule with its simulated makespan and peak memory (max over ranks), and how the
-    search got it ("greedy: ..." with the policy, or "fixed: NAME")."""
+    search got it ("greedy: ..." with the policy, "fixed: NAME", "V block family: ..." with
+    the block's climbs; "refined " before any of them when refinement moved it)."""
 
     schedule: Schedule
     makespan: float
@@ -336,6 +337,12 @@ def _effort(p: int, m: int) -> tuple[int, int, bool]:
     return keep, max(1, min(wanted, (runs - swept) // keep)), every
 
 
+FAMILY_ACTIONS = 1_000_000
+"""Actions of the V block family's schedules (`vfamily.members`) one search may build and
+simulate: all of its blocks at the budget's peak up to p = 16, m = 128; 10 of them at p = 64,
+m = 256. A count, not a time."""
+
+
 REFINED = 3
 """How many of the fastest candidates `refine` improves under the deck's costs, each with the
 shift pass where one fits: the fastest is not always the one that shifts furthest (p = 3, m = 3,
@@ -400,7 +407,7 @@ def search(
     for item in fixed if fixed is not None else fixed_points(p, m, costs_for, placements):
         if isinstance(item, Found) and _fits(item.peak, cap) and placed(item):
             add(item)
-    if True in placements:  # after the published schedules: they win a tie
+    if True in placements:  # after the published schedules: equal makespan and peak, they win
         for found in _family(p, m, costs_for, budget):
             add(found)
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
@@ -425,12 +432,6 @@ def search(
         params = (("p", p), ("m", m), ("memory_budget", budget), ("how", found.how))
         return replace(found, schedule=_renamed(found.schedule, params))
     raise BudgetError(cap, floor)  # pragma: no cover - depth-1 greedy always fits the floor
-
-
-FAMILY_ACTIONS = 1_000_000
-"""Actions of the V block family's schedules (`vfamily.members`) one search may build and
-simulate: all of its blocks at the budget's peak up to p = 16, m = 128; 10 of them at p = 64,
-m = 256. A count, not a time."""
 
 
 def _family(p: int, m: int, costs_for: CostsFor, budget: float | None) -> list[Found]:

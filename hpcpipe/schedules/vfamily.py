@@ -12,8 +12,10 @@ p = 16, m = 16: a budget of 7 takes 74.5 (the lower bound; V-Min at peak 6 takes
 at 9 takes 68.5), and p = 8, m = 64, budget 5.5 takes 199.5 against V-Half's 200.5.
 
 A block's peak is known before it is built (`blocks.repeated_peak`), so `members` builds only
-the blocks with the most activations the budget holds (more in flight: the last forward
-starts earlier), within a count of simulated actions.
+the blocks with the most chunk activations the budget holds (more in flight: the last forward
+starts earlier), within a count of simulated actions. Compaction costs more than linear time
+in the actions, so above `COMPACT_MAX_P` ranks, like the published blocks' compaction, the
+family is not built.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcpipe.schedules._build import COMPACT_MAX_P
 from hpcpipe.schedules.blocks import compacted_v, repeated_peak
 from hpcpipe.schedules.ir import Schedule
 from hpcpipe.schedules.simulate import CostModel
 from hpcpipe.schedules.vshape import building_block
 
-__all__ = ["Member", "climbs", "members"]
+__all__ = ["Member", "climbs", "members", "rank_rows"]
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ def climbs(p: int) -> Iterator[tuple[int, ...]]:
                 yield tuple(base + 1 if (i < k if turn else i >= p - k) else base for i in range(p))
 
 
-def _paper(off: np.ndarray, p: int) -> np.ndarray:
-    """Block offsets per stage (F, B rows of `building_block`) as rows F0 F1 B1 B0 per rank."""
+def rank_rows(off: np.ndarray, p: int) -> np.ndarray:
+    """Block offsets per stage (F, B rows of `building_block`) as rows F0 F1 B1 B0 per rank,
+    the form `blocks.compacted_v` and `blocks.repeated_peak` take."""
     last = 2 * p - 1
     return np.array([[off[0, r], off[0, last - r], off[1, last - r], off[1, r]] for r in range(p)])
 
@@ -64,31 +68,37 @@ def _paper(off: np.ndarray, p: int) -> np.ndarray:
 def members(
     p: int, m: int, costs: CostModel, budget: float | None, max_actions: int
 ) -> list[tuple[Member, Schedule]]:
-    """The family's schedules with the largest peak that fits `budget` (in the units of
-    `costs.activation`; None: any), built while their actions add up to `max_actions`.
+    """The family's distinct schedules with the largest peak that fits `budget` (in the units
+    of `costs.activation`; None: any), built while their actions add up to `max_actions`.
 
-    Chunk activations are counted at the largest stage's (a bound: the simulator's peak, in
-    the deck's units, is what the search then checks)."""
-    if p < 2:
+    Chunk activations are counted at the largest stage's: with uneven activations a block
+    that would fit may be left out (the simulator's peak, in the deck's units, is what the
+    search then checks)."""
+    if p < 2 or p > COMPACT_MAX_P or max_actions < 6 * p * m:
         return []
     act = float(costs.stage_arrays(2 * p)["activation"].max())
     room = np.inf if budget is None or act <= 0 else budget / act + 1e-9
     blocks = []
     for climb in climbs(p):
-        block = _paper(building_block(p, climb), p)
+        block = rank_rows(building_block(p, climb), p)
         chunks = repeated_peak(block, m)
         if chunks <= room:
             blocks.append((Member(climb, chunks), block))
     if not blocks:
         return []
     top = max(member.chunks for member, _ in blocks)
-    out = []
-    budget_left = max_actions
+    out: list[tuple[Member, Schedule]] = []
+    seen: set[str] = set()
+    actions_left = max_actions
     for member, block in blocks:
         if member.chunks != top:
             continue
-        budget_left -= 6 * p * m
-        if budget_left < 0:
+        actions_left -= 6 * p * m
+        if actions_left < 0:
             break
-        out.append((member, compacted_v("v-family", p, m, block)))
+        sched = compacted_v("v-family", p, m, block)
+        key = sched.fingerprint()  # few microbatches: many blocks compact alike
+        if key not in seen:
+            seen.add(key)
+            out.append((member, sched))
     return out

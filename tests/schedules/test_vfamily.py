@@ -11,7 +11,7 @@ from hpcpipe.schedules.blocks import compacted_v, repeated_peak
 from hpcpipe.schedules.bound import lower_bound
 from hpcpipe.schedules.config import PipelineConfig, costs_for
 from hpcpipe.schedules.search import search
-from hpcpipe.schedules.vfamily import _paper, climbs, members
+from hpcpipe.schedules.vfamily import climbs, members, rank_rows
 from hpcpipe.schedules.vshape import building_block, v_placement
 
 
@@ -24,7 +24,7 @@ def test_every_block_is_a_valid_schedule_with_the_peak_known_before_it_is_built(
     for m in (p, 2 * p + 1):
         costs = _unit(p, m)
         for climb in climbs(p):
-            block = _paper(building_block(p, climb), p)
+            block = rank_rows(building_block(p, climb), p)
             sched = compacted_v("v-family", p, m, block)
             validate(sched)  # dependencies, every stage's microbatches in order, channels
             assert [tuple(r) for r in sched.stages_of_rank] == v_placement(p)
@@ -58,12 +58,17 @@ def test_the_family_fills_the_budgets_between_the_published_points():
 def test_members_keep_to_the_budget_and_the_count_of_actions():
     p, m = 8, 16
     costs = _unit(p, m)
-    assert members(p, m, costs, 3.0, 10**9) == []  # below every block's peak (V-Min's: 3)
+    assert members(p, m, costs, 3.5, 10**9) == []  # below every block's peak (V-Min's: 4)
+    assert members(p, m, costs, 4.0, 10**9)
     assert members(1, m, _unit(1, m), None, 10**9) == []
     every = members(p, m, costs, 5.5, 10**9)
     assert len(every) > 2
     assert len(members(p, m, costs, 5.5, 2 * 6 * p * m)) == 2  # two schedules' actions
     assert members(p, m, costs, 5.5, 6 * p * m - 1) == []
+    assert members(65, 130, _unit(65, 130), None, 10**9) == []  # above COMPACT_MAX_P
+    # few microbatches: blocks that compact alike are built once
+    few = members(p, 2, _unit(p, 2), None, 10**9)
+    assert len({s.fingerprint() for _, s in few}) == len(few) >= 1
     assert all(member.chunks * 0.5 <= 5.5 for member, _ in every)
     assert "V block family: climb 3 into" in every[0][0].describe()
 
