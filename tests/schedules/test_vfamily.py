@@ -87,3 +87,25 @@ def test_the_search_beats_v_half_between_its_budget_and_zb_vs():
     assert found.makespan == 199.5 and found.peak <= 5.5
     assert found.schedule.param("how").startswith("V block family")
     validate(found.schedule)
+
+
+def test_an_order_at_the_bound_exists_where_the_family_stops_at_v_min():
+    """p = 16, m = 16, unit costs, budget 6.5: the family's step there takes V-Min's 77.5, but
+    the bound, 76, is reached. The order in data/ was found by OR-Tools CP-SAT (by hand, one
+    worker, V-Min as a hint; docs/performance.md) with every stage in microbatch order: it is
+    a valid schedule the runtime can run, within the budget, at the bound. The search's next
+    target."""
+    from pathlib import Path
+
+    from hpcpipe.schedules.ir import read_csv
+
+    p, m = 16, 16
+    costs = _unit(p, m)
+    known = read_csv(Path(__file__).with_name("data") / "p16_m16_budget6.5_optimum.csv")
+    validate(known)
+    result = simulate(known, costs)
+    assert result.makespan == 76.0 and result.peak_memory.max() <= 6.5
+    bound = lower_bound(v_placement(p), m, costs, 6.5, target=76.0, max_states=300_000)
+    assert bound.makespan == 76.0
+    family = [simulate(s, costs).makespan for _, s in members(p, m, costs, 6.5, 10**9)]
+    assert min(family) == simulate(build_schedule("v-min", p, m), costs).makespan == 77.5
