@@ -267,6 +267,7 @@ class Replanner:
     _searched: Any = None  # the search's answer for `_search_key` (a Found, or None)
     _pending: Proposal | None = None  # the last check's proposal that waits for the next
     _pending_base: tuple[Any, ...] = ()  # ... made for this partition and schedule
+    _proposed_base: tuple[Any, ...] = ()  # the partition and schedule the last proposal saw
 
     def propose(self, current: Sequence[range], measured: Measured) -> Proposal:
         """Estimate rank speeds and unit costs from `measured`, balance the partition for
@@ -343,7 +344,8 @@ class Replanner:
         seen = tuple(float(x) for x in slowness)
         recheck = None
         pending = self._pending
-        if pending is not None and self._pending_base == (tuple(current), schedule.fingerprint()):
+        self._proposed_base = (key[0], key[2])  # current partition, schedule fingerprint
+        if pending is not None and self._pending_base == self._proposed_base:
             if pending.schedule is None:
                 again = predict(pending.ranges)
             else:  # its microbatches hold m / count of the current rows each
@@ -449,7 +451,7 @@ class Replanner:
         if chosen is None:
             if self.config.confirm and self._clears(proposal):
                 self._pending = proposal
-                self._pending_base = (proposal.current, self.schedule.fingerprint())
+                self._pending_base = self._proposed_base
             return None
         self.checks_since_switch = 0
         if chosen.ranges != chosen.current:  # layers moved: for these speeds

@@ -15,31 +15,33 @@ INPUTS = Path(__file__).resolve().parents[2] / "inputs"
 
 
 @pytest.mark.parametrize(
-    ("deck", "budget"),
-    [("train_tiny.toml", "3"), ("train_auto.toml", "2.5")],
-    ids=["even-budget3", "uneven-budget2.5"],
+    ("deck", "budget", "m", "how"),
+    [
+        ("train_tiny.toml", "3", 8, ""),
+        ("train_auto.toml", "2.5", 8, ""),
+        ("train_tiny.toml", "3", 4, "V block family"),
+    ],
+    ids=["even-budget3", "uneven-budget2.5", "v-family-m4-budget3"],
 )
-def test_auto_schedule_matches_reference(mpirun, tmp_path, deck, budget):
+def test_auto_schedule_matches_reference(mpirun, cli, tmp_path, deck, budget, m, how):
+    """The third case is a schedule of the V block family (vfamily.py): at p = 4, m = 4,
+    budget 3 a block holding 6 chunks takes 15.0 where V-Half and the greedy take more."""
+    sets = [
+        "pipeline.schedule=auto",
+        f"pipeline.memory_budget={budget}",
+        "topology.pp=4",
+        "topology.dp=1",
+        "model.layers=14",
+        f"pipeline.microbatches={m}",
+    ]
+    args = [x for s in sets for x in ("--set", s)]
+    if how:  # the search, as every rank runs it, returns what the case is about
+        plan = cli(["plan", str(INPUTS / deck), "--world", "4", *args])
+        assert plan.returncode == 0, plan.stdout + plan.stderr
+        assert f"fastest found: {how}" in plan.stdout, plan.stdout
     r = mpirun(
         4,
-        [
-            "run",
-            str(INPUTS / deck),
-            "--set",
-            f"run.output={tmp_path}",
-            "--set",
-            "pipeline.schedule=auto",
-            "--set",
-            f"pipeline.memory_budget={budget}",
-            "--set",
-            "topology.pp=4",
-            "--set",
-            "topology.dp=1",
-            "--set",
-            "model.layers=14",
-            "--set",
-            "pipeline.microbatches=8",
-        ],
+        ["run", str(INPUTS / deck), "--set", f"run.output={tmp_path}", *args],
         timeout=180,
     )
     assert r.returncode == 0, r.output

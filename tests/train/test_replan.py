@@ -454,6 +454,7 @@ def _check(overrides: list[str]) -> None:
         ("replan.check_every=1", "replan.check_every", ">= 2"),
         ("replan.min_gain=2", "replan.min_gain", "<= 0.9"),
         ("replan.enabled=3", "replan.enabled", "true or false"),
+        ("replan.confirm='yes'", "replan.confirm", "true or false"),
         ("replan.often=1", "replan.often", "not a known key"),
     ],
 )
