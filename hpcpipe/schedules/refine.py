@@ -19,6 +19,13 @@ about 2 x `_SHIFT` simulations per action, so only small problems get it.
 
 The number of simulations is capped (`max_evals`), not the time: the result is the same on
 every rank.
+
+`refine` stops where no single move helps, and some better orders are several moves away on
+every rank at once. `deepened` is a kick out of such a stop: each rank runs a few more forwards
+before its first backward (as many as the budget holds), so more microbatches are in flight
+when the drain begins; `refine` then repairs the steady state the kick disturbed. Unit costs,
+p = 16, budget 6.5 (V-Min at peak 6 is the best fixed schedule there): two more forwards per
+rank, refined, take m = 16 from 77.5 to 77.0 and m = 128 from 413.5 to 413.0.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from __future__ import annotations
 import numpy as np
 
 from hpcpipe.schedules._table import compute_table
-from hpcpipe.schedules.ir import Schedule
+from hpcpipe.schedules.errors import ScheduleError
+from hpcpipe.schedules.ir import Kind, Schedule
 from hpcpipe.schedules.simulate import CostModel, Reorders, SimResult, simulate
 
-__all__ = ["refine", "shift_pass_evals"]
+__all__ = ["deepened", "refine", "shift_pass_evals"]
 
 _REL = 1e-9
 _LOOK = 12  # later actions of the rank tried per gap
@@ -173,3 +181,52 @@ def _shift(state: _State) -> bool:
                     if state.tried(int(table.pos[i]), int(table.pos[j])):
                         return True
     return False
+
+
+def deepened(
+    schedule: Schedule, costs: CostModel, budget: float | None, extra: int
+) -> Schedule | None:
+    """`schedule` (unlowered, without pairs) with each rank's next `extra` forwards moved in
+    front of its first backward, fewer where the activations held before that backward would
+    pass `budget`; None where no rank changes, or the new order deadlocks or peaks above
+    `budget`. Forwards keep their order, so every channel still sends in microbatch order."""
+    act = costs.stage_arrays(schedule.num_stages)["activation"]
+    limit = np.inf if budget is None else budget + _REL * max(1.0, abs(budget))
+    kinds, stages = schedule.kinds, schedule.stages
+    order: list[np.ndarray] = []
+    changed = False
+    for r in range(schedule.num_ranks):
+        lo, hi = int(schedule.offsets[r]), int(schedule.offsets[r + 1])
+        idx = np.arange(lo, hi)
+        back = np.flatnonzero(kinds[lo:hi] != Kind.F)
+        if back.size == 0:
+            order.append(idx)
+            continue
+        first = lo + int(back[0])
+        held = float(act[stages[lo:first]].sum())
+        pulled = []
+        for j in range(first, hi):
+            if len(pulled) == extra:
+                break
+            if kinds[j] != Kind.F:
+                continue
+            if held + act[stages[j]] > limit:
+                break
+            held += float(act[stages[j]])
+            pulled.append(j)
+        if pulled:
+            changed = True
+            rest = np.setdiff1d(np.arange(first, hi), pulled, assume_unique=True)
+            idx = np.concatenate([np.arange(lo, first), pulled, rest])
+        order.append(idx)
+    if not changed:
+        return None
+    idx = np.concatenate(order)
+    kicked = schedule.replace_actions(
+        schedule.offsets, kinds[idx], stages[idx], schedule.microbatches[idx]
+    )
+    try:
+        peak = float(simulate(kicked, costs).peak_memory.max())
+    except ScheduleError:  # a pulled forward waits for one its neighbour did not pull
+        return None
+    return kicked if peak <= limit else None

@@ -20,6 +20,9 @@ stages and free communication. The search builds schedules for the deck's own co
    V-Min, V-Half and ZB-V.
 4. **Refinement.** The fastest few of the pool are improved under the deck's costs by moving
    actions into the gaps of their simulated timeline (`refine`).
+5. **Kicks.** The fastest is kicked out of the refinement's stop: 1, 2 or 3 more forwards on
+   each rank before its first backward, as the budget allows (`refine.deepened`), each kicked
+   order refined again.
 
 The fastest candidate wins (ties: the lower peak). Every candidate is re-simulated with
 `simulate`, so the makespan and peak memory reported are the simulator's, and the winner is
@@ -29,7 +32,7 @@ validated. The search is deterministic: every rank of a run computes the same sc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from hpcpipe.schedules.errors import ScheduleError
@@ -43,7 +46,7 @@ from hpcpipe.schedules.listsched import (
     list_schedule,
     run_to_schedule,
 )
-from hpcpipe.schedules.refine import refine, shift_pass_evals
+from hpcpipe.schedules.refine import deepened, refine, shift_pass_evals
 from hpcpipe.schedules.registry import SCHEDULE_NAMES, build_schedule
 from hpcpipe.schedules.simulate import simulate
 from hpcpipe.schedules.validate import validate
@@ -350,6 +353,21 @@ unit costs, budget 2.5: a greedy order at 11 stays there, V-Half at 11.5 shifts 
 10.5)."""
 
 
+KICKS = (1, 2, 3)
+"""More forwards ahead of each rank's first backward (`refine.deepened`) tried on the fastest
+schedule found, each refined again: a way out of the stop where no single move helps (p = 16,
+budget 6.5: V-Min's 77.5, 125.5, 221.5, 413.5 become 77.0, 125.0, 221.0, 413.0 for m = 16..128,
+all with two)."""
+
+KICK_ACTIONS = 16_000_000
+"""Simulated actions each kick's refinement may spend (at least `_refine_evals`): at p = 16,
+m = 128 the 1,300 simulations two more forwards need (the refinement's own 325 stop at 414.0)."""
+
+
+def _kick_evals(p: int, m: int) -> int:
+    return max(_refine_evals(p, m), KICK_ACTIONS // (6 * p * m))
+
+
 def _refine_evals(p: int, m: int) -> int:
     """Simulations per refined candidate: about four million simulated actions each, at
     most 1500 beyond a full shift pass (so every problem small enough for one gets it: at
@@ -421,6 +439,7 @@ def search(
         if _faster(result.makespan, found.makespan):
             how = "refined " + found.how
             add(Found(sched, result.makespan, float(result.peak_memory.max()), how))
+    _kick(pool, add, cap, budget, costs_for, _kick_evals(p, m))
     valid = sorted(
         (entry for entry in pool if _fits(entry[1], cap)), key=lambda e: (e[0], e[1], e[2])
     )
@@ -432,6 +451,32 @@ def search(
         params = (("p", p), ("m", m), ("memory_budget", budget), ("how", found.how))
         return replace(found, schedule=_renamed(found.schedule, params))
     raise BudgetError(cap, floor)  # pragma: no cover - depth-1 greedy always fits the floor
+
+
+def _kick(
+    pool: list[tuple[float, float, int, Found]],
+    add: Callable[[Found], None],
+    cap: float,
+    budget: float | None,
+    costs_for: CostsFor,
+    evals: int,
+) -> None:
+    """Kick the fastest schedule in the pool that fits (`KICKS`) and refine each kicked order;
+    adds those faster than it."""
+    ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
+    start = next((e[3] for e in ranked if not e[3].schedule.pairs.size), None)
+    if start is None:
+        return
+    costs = costs_for(start.schedule.num_stages)
+    for extra in KICKS:
+        kicked = deepened(start.schedule, costs, budget, extra)
+        if kicked is None:
+            continue
+        sched, result, _ = refine(kicked, costs, budget, evals)
+        peak = float(result.peak_memory.max())
+        if _fits(peak, cap) and _faster(result.makespan, start.makespan):
+            how = f"{extra} more F before the first B, refined: {start.how}"
+            add(Found(sched, result.makespan, peak, how))
 
 
 def _family(p: int, m: int, costs_for: CostsFor, budget: float | None) -> list[Found]:
