@@ -120,7 +120,7 @@ ONLY = re.compile(r"^Figures: only ([\w, -]+?) \(.+\)\s*$", re.MULTILINE)
 def table_block(name: str) -> str:
     loaded = _load(name)
     if loaded is None:
-        return f"(no results yet: run `python benchmarks/{name}.py`)\n"
+        return f"(no results yet: run `python benchmarks/run_all.py --only {name}`)\n"
     report, data = loaded
     load = data.get("machine", {}).get("load_average")
     end = data.get("machine", {}).get("load_average_end")
