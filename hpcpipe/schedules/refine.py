@@ -25,7 +25,8 @@ every rank at once. `deepened` is a kick out of such a stop: each rank runs a fe
 before its first backward (as many as the budget holds), so more microbatches are in flight
 when the drain begins; `refine` then repairs the steady state the kick disturbed. Unit costs,
 p = 16, budget 6.5 (V-Min at peak 6 is the best fixed schedule there): two more forwards per
-rank, refined, take m = 16 from 77.5 to 77.0 and m = 128 from 413.5 to 413.0.
+rank (fewer where the budget is full: the last rank takes one), refined, take m = 16 from
+77.5 to 77.0 and m = 128 from 413.5 to 413.0.
 """
 
 from __future__ import annotations
@@ -189,7 +190,11 @@ def deepened(
     """`schedule` (unlowered, without pairs) with each rank's next `extra` forwards moved in
     front of its first backward, fewer where the activations held before that backward would
     pass `budget`; None where no rank changes, or the new order deadlocks or peaks above
-    `budget`. Forwards keep their order, so every channel still sends in microbatch order."""
+    `budget` (later than the first backward, on any rank: the kick is then dropped whole,
+    not thinned). Forwards keep their order, so every channel still sends in microbatch
+    order."""
+    if schedule.is_lowered or schedule.pairs.size:
+        raise ValueError("deepened: an unlowered schedule without overlapped pairs")
     act = costs.stage_arrays(schedule.num_stages)["activation"]
     limit = np.inf if budget is None else budget + _REL * max(1.0, abs(budget))
     kinds, stages = schedule.kinds, schedule.stages

@@ -20,9 +20,9 @@ stages and free communication. The search builds schedules for the deck's own co
    V-Min, V-Half and ZB-V.
 4. **Refinement.** The fastest few of the pool are improved under the deck's costs by moving
    actions into the gaps of their simulated timeline (`refine`).
-5. **Kicks.** The fastest is kicked out of the refinement's stop: 1, 2 or 3 more forwards on
-   each rank before its first backward, as the budget allows (`refine.deepened`), each kicked
-   order refined again.
+5. **Kicks.** The fastest without pairs is kicked out of the refinement's stop: up to 1, 2 or
+   3 more forwards on each rank before its first backward, as the budget allows
+   (`refine.deepened`), each kicked order refined again.
 
 The fastest candidate wins (ties: the lower peak). Every candidate is re-simulated with
 `simulate`, so the makespan and peak memory reported are the simulator's, and the winner is
@@ -357,7 +357,7 @@ KICKS = (1, 2, 3)
 """More forwards ahead of each rank's first backward (`refine.deepened`) tried on the fastest
 schedule found, each refined again: a way out of the stop where no single move helps (p = 16,
 budget 6.5: V-Min's 77.5, 125.5, 221.5, 413.5 become 77.0, 125.0, 221.0, 413.0 for m = 16..128,
-all with two)."""
+all with up to two)."""
 
 KICK_ACTIONS = 16_000_000
 """Simulated actions each kick's refinement may spend (at least `_refine_evals`): at p = 16,
@@ -461,8 +461,8 @@ def _kick(
     costs_for: CostsFor,
     evals: int,
 ) -> None:
-    """Kick the fastest schedule in the pool that fits (`KICKS`) and refine each kicked order;
-    adds those faster than it."""
+    """Kick the fastest schedule without pairs in the pool that fits (`KICKS`) and refine each
+    kicked order; adds those faster than it."""
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
     start = next((e[3] for e in ranked if not e[3].schedule.pairs.size), None)
     if start is None:
@@ -475,7 +475,7 @@ def _kick(
         sched, result, _ = refine(kicked, costs, budget, evals)
         peak = float(result.peak_memory.max())
         if _fits(peak, cap) and _faster(result.makespan, start.makespan):
-            how = f"{extra} more F before the first B, refined: {start.how}"
+            how = f"up to {extra} more F before the first B, refined: {start.how}"
             add(Found(sched, result.makespan, peak, how))
 
 

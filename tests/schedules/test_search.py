@@ -179,7 +179,10 @@ def test_budget_is_respected_for_any_costs(p, m, extra, t_f, t_b, t_w, act, comm
     check(found, cfg, p, budget)
     assert found.makespan <= best_fixed(fixed, budget) + 1e-9
     # the list scheduler alone keeps the budget and never stalls above the minimum
-    with mock.patch.object(search_module, "FAMILY_ACTIONS", 0):  # no V block family
+    with (
+        mock.patch.object(search_module, "FAMILY_ACTIONS", 0),  # no V block family
+        mock.patch.object(search_module, "KICKS", ()),  # no kicks
+    ):
         alone = search(p, m, costs, budget, fixed=[])
     assert re.match(r"(refined )?greedy: ", alone.how)
     check(alone, cfg, p, budget)
