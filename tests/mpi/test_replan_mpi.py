@@ -140,24 +140,26 @@ def test_a_4_rank_pipeline_on_a_synthetic_device_moves_layers_off_a_middle_rank_
 ):
     """pp = 4 on 2 cores: the synthetic device's units last their modelled time whoever shares
     the core, so a 2x slow middle rank is measured as such: the check after step 4 proposes a
-    plan for it and the one after step 8 confirms it (`replan.confirm`). That plan is left once
-    the slowdown ends (after step 16: the check after step 12 is the switch's cooldown), though
-    going back gains less than min_gain here (about 4%, 5% wanted): the speeds it was made for
-    are gone."""
+    plan for it and the one after step 8 confirms it (`replan.confirm`). On a loaded machine the
+    first window (two slow steps of four) may not show it; then the checks after 8 and 12
+    propose and confirm, so the slowdown lasts to step 12 and the switch may come one check
+    later. That plan is left once the slowdown ends (the check after the switch is its
+    cooldown), though going back gains less than min_gain here (about 4%, 5% wanted): the
+    speeds it was made for are gone."""
     r, switches = _run(
         mpirun,
         tmp_path,
         4,
         SYNTHETIC,
-        "rank=1,at=step:2,kind=slow,factor=2,until=9",
-        steps=20,
+        "rank=1,at=step:2,kind=slow,factor=2,until=13",
+        steps=28,
         verbose=True,
     )
     assert "synthetic_us_per_row=500" in r.stdout, r.stdout
     assert len(switches) >= 2, r.stdout
     step, before, after = switches[0]
-    assert step == 8 and before == [4, 4, 4, 4] and after[1] < 4, switches
-    back = [after for step, _, after in switches if step > 9]
+    assert step in (8, 12) and before == [4, 4, 4, 4] and after[1] < 4, switches
+    back = [after for step, _, after in switches if step > 13]
     assert back and back[-1][1] >= 4, switches  # rank 1 holds a full share again
 
 
