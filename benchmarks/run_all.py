@@ -37,7 +37,8 @@ FIGURES = (
     "schedule_search",
     "schedule_exact",
     "schedule_search_large",
-    "schedule_search_p9_15",
+    "schedule_search_p9_12",
+    "schedule_search_p13_15",
     "schedule_search_p16",
     "layout_search",
     "layout_ranking",
@@ -48,10 +49,15 @@ VARIANTS = {
         *("--p", "6", "7", "8", "--skip-scale", "--jobs", "2"),
         *("--json", "benchmarks/results/schedule_search_large.json"),
     ),
-    "schedule_search_p9_15": (
+    "schedule_search_p9_12": (
         "schedule_search.py",
-        *("--p", "9", "10", "11", "12", "13", "14", "15", "--skip-scale", "--jobs", "2"),
-        *("--json", "benchmarks/results/schedule_search_p9_15.json"),
+        *("--p", "9", "10", "11", "12", "--skip-scale", "--jobs", "2"),
+        *("--json", "benchmarks/results/schedule_search_p9_12.json"),
+    ),
+    "schedule_search_p13_15": (
+        "schedule_search.py",
+        *("--p", "13", "14", "15", "--skip-scale", "--jobs", "2"),
+        *("--json", "benchmarks/results/schedule_search_p13_15.json"),
     ),
     "schedule_search_p16": (
         "schedule_search.py",
