@@ -38,7 +38,9 @@ FIGURES = (
     "schedule_exact",
     "schedule_search_large",
     "schedule_search_p9_12",
-    "schedule_search_p13_15",
+    "schedule_search_p13",
+    "schedule_search_p14",
+    "schedule_search_p15",
     "schedule_search_p16",
     "layout_search",
     "layout_ranking",
@@ -54,10 +56,20 @@ VARIANTS = {
         *("--p", "9", "10", "11", "12", "--skip-scale", "--jobs", "2"),
         *("--json", "benchmarks/results/schedule_search_p9_12.json"),
     ),
-    "schedule_search_p13_15": (
+    "schedule_search_p13": (
         "schedule_search.py",
-        *("--p", "13", "14", "15", "--skip-scale", "--jobs", "2"),
-        *("--json", "benchmarks/results/schedule_search_p13_15.json"),
+        *("--p", "13", "--skip-scale", "--jobs", "2"),
+        *("--json", "benchmarks/results/schedule_search_p13.json"),
+    ),
+    "schedule_search_p14": (
+        "schedule_search.py",
+        *("--p", "14", "--skip-scale", "--jobs", "2"),
+        *("--json", "benchmarks/results/schedule_search_p14.json"),
+    ),
+    "schedule_search_p15": (
+        "schedule_search.py",
+        *("--p", "15", "--skip-scale", "--jobs", "2"),
+        *("--json", "benchmarks/results/schedule_search_p15.json"),
     ),
     "schedule_search_p16": (
         "schedule_search.py",
