@@ -24,8 +24,9 @@ For each rank r (costs per stage; F of stage s allocates `activation[s]`, held u
 - **one rank alone** (rankbound.py): where the budget binds, the fill, the drain and every
   round trip in between interact; the rank's own actions are ordered exactly, with the other
   ranks never in its way (their actions take their time but never wait), most binding rank
-  first, within `max_states` of search in all. This is what proves V-Half and V-Min optimal
-  at their budgets for small p, where the terms above each fall short.
+  first, within `max_states` of search in all (forwards, and backwards from the end for the
+  idle of the last round trips). This is what proves V-Half and V-Min optimal at their
+  budgets, where the terms above each fall short.
 
 It holds for schedules run action by action; overlapped F&B pairs hide part of each half's
 communication (`simulate.durations`), which these terms charge in full.
@@ -156,7 +157,9 @@ def lower_bound(
     `budget`: per-rank activation memory in the units of `costs.activation` (None: unlimited).
     `target`: a makespan some schedule of this placement reaches within the budget, if known:
     the bound never exceeds it, so the search for one rank alone stops proving there.
-    `max_states`: how many states the searches for ranks alone may take in all (0: none).
+    `max_states`: how many states the searches for ranks alone may take in all (0: none);
+    the rank searched first may take up to twice that (its backward and its forward search
+    each get what is left), the next ones what it left over.
     """
     path = _one_microbatch(stages_of_rank, costs)
     t_f, t_b_min, t_w, t_bwd, act = path.t_f, path.t_b, path.t_w, path.t_bwd, path.activation

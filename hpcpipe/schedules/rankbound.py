@@ -20,6 +20,15 @@ layer, and drops a state that an earlier-free state with the same counts dominat
 against a few, `_undominated`) and any that cannot finish below `target`. Past `max_states`
 it stops and returns the least lower bound of the layer it reached: every order passes
 through that layer, so the figure is still a bound, only a looser one.
+
+Searched forwards only, the states grow with m (p = 10, m = 80, V-Half's budget: 1.15
+million to prove it optimal), because until the last round trips nothing shows the idle they
+force. So the same search first runs backwards from the end (time reversed: the edges turned
+round, tails as releases, memory changes negated): for each y, the least idle any order has
+among the rank's last y actions. A forward order that has taken l of n actions is then charged
+the idle of the last n - l as well, which prunes almost every order at once (the same proof:
+about 60,000 states at any m). Both are relaxations of the same rank, so the result is still a
+bound, exact where the forward search completes.
 """
 
 from __future__ import annotations
@@ -119,6 +128,58 @@ def rank_actions(
     )
 
 
+@dataclass(frozen=True)
+class _Machine:
+    """The relaxation as jobs on one machine, forwards in time or backwards from the end.
+
+    Kind k's j-th action takes `duration[k]`, changes memory by `memory[k]` (checked against
+    the budget when it is taken), starts no earlier than `release[k] + j * release_step[k]`,
+    and the makespan is at least its end plus `tail[k] + j * tail_step[k]`; an edge (a, b, lag)
+    lets b's j-th action start only `lag` after a's j-th ends. `last_b`: the kind after whose
+    last action only the kinds from `w_from` on may run (forwards: the lowest stage's B, then
+    only W), or -1."""
+
+    duration: tuple[float, ...]
+    memory: tuple[float, ...]
+    release: tuple[float, ...]
+    release_step: tuple[float, ...]
+    tail: tuple[float, ...]
+    tail_step: tuple[float, ...]
+    edges: tuple[tuple[int, int, float], ...]
+    last_b: int = -1
+    w_from: int = 0
+
+
+def _forwards(kinds: RankActions) -> _Machine:
+    n = len(kinds.duration)
+    release = [0.0] * n
+    step = [0.0] * n
+    release[0], step[0] = kinds.release, kinds.release_step
+    edges = tuple((kinds.pred[k], k, kinds.lag[k]) for k in range(1, n))
+    v = n // 3
+    return _Machine(
+        kinds.duration, kinds.memory, tuple(release), tuple(step), kinds.tail, (0.0,) * n,
+        edges, last_b=v, w_from=2 * v,
+    )  # fmt: skip
+
+
+def _backwards(kinds: RankActions, m: int) -> _Machine:
+    """The same rank with time running back from the end (t -> makespan - t): every edge
+    turned round, tails become releases and releases tails (the last microbatch's forward is
+    the first met, with the latest release), and memory changes change sign (what is held
+    just before a forward action is what is held just after it, running back)."""
+    n = len(kinds.duration)
+    tail = [0.0] * n
+    step = [0.0] * n
+    tail[0] = kinds.release + (m - 1) * kinds.release_step
+    step[0] = -kinds.release_step
+    edges = tuple((k, kinds.pred[k], kinds.lag[k]) for k in range(1, n))
+    return _Machine(
+        kinds.duration, tuple(-x for x in kinds.memory), kinds.tail, (0.0,) * n, tuple(tail),
+        tuple(step), edges,
+    )  # fmt: skip
+
+
 def relaxed_makespan(
     kinds: RankActions,
     m: int,
@@ -128,71 +189,150 @@ def relaxed_makespan(
     max_states: int = 100_000,
 ) -> Relaxed:
     """The least makespan of the rank alone for m microbatches within `budget` (module
-    docstring), or `target` if nothing is faster than that."""
-    n = len(kinds.duration)
-    dur, pred, lag, tail, mem = (
-        kinds.duration,
-        kinds.pred,
-        kinds.lag,
-        kinds.tail,
-        kinds.memory,
+    docstring), or `target` if nothing is faster than that.
+
+    First the drain: running back from the end, the least idle among the rank's last actions;
+    then the search forwards from the start, where every order that still has those last
+    actions to come is charged that idle too. Each prunes what cannot reach `target` and takes
+    up to `max_states`: the forward search alone is never cut shorter than without the drain."""
+    total = m * sum(kinds.duration)
+    room = target - total - kinds.release  # idle a drain may have to show, no more
+    drain, back_states = [0.0], 0
+    if room > _EPS:
+        drain, back_states = _idle_at_end(_backwards(kinds, m), m, budget, room, max_states)
+    got, states, exact = _fastest(_forwards(kinds), m, budget, target, drain, max_states)
+    return Relaxed(float(min(got, target)), back_states + states, exact)
+
+
+def _steps(machine: _Machine, m: int, budget: float, layer: dict, prune) -> tuple[dict, int]:
+    """One more action from every state of a layer: the next layer (states an earlier-free one
+    with the same counts dominates dropped) and how many states were made. `prune(end, span,
+    left, counts)` drops a new state (it cannot reach the goal)."""
+    dur, mem, rel, rel_step = (
+        machine.duration,
+        machine.memory,
+        machine.release,
+        machine.release_step,
     )
-    consumers = [[j for j in range(n) if pred[j] == k] for k in range(n)]
-    v = n // 3
-    last_b = v  # B of the rank's lowest stage: what is left after it is its tail
-    total_work = m * sum(dur)
-    # state: (free at, makespan so far, per kind the times its pending actions may start)
-    layer: dict[tuple[int, ...], list[tuple[float, float, tuple[tuple[float, ...], ...]]]] = {
-        (0,) * n: [(0.0, 0.0, ((),) * n)]
-    }
-    states = 0
-    for _ in range(n * m):
-        grown: dict[tuple[int, ...], list] = {}
-        for done, group in layer.items():
-            used = sum(c * x for c, x in zip(done, mem, strict=True))
-            left = total_work - sum(c * d for c, d in zip(done, dur, strict=True))
-            for free, span, pending in group:
-                for k in range(n):
-                    if done[k] >= m or (mem[k] > 0 and used + mem[k] > budget + _EPS):
-                        continue
-                    if k == 0:
-                        ready = kinds.release + done[0] * kinds.release_step
-                    elif pending[k]:
-                        ready = pending[k][0]
-                    else:
-                        continue
-                    end = max(free, ready) + dur[k]
-                    new_span = max(span, end + tail[k])
-                    after = left - dur[k]
-                    finish = end + after
-                    counts = (*done[:k], done[k] + 1, *done[k + 1 :])
-                    if counts[last_b] < m:  # every F and B left ends by the lowest stage's
-                        w_left = sum(  # last B; only W may follow it
-                            (m - c) * d for c, d in zip(counts[2 * v :], dur[2 * v :], strict=True)
-                        )
-                        finish = max(finish, end + after - w_left + tail[last_b])
-                    if max(new_span, finish) >= target - _EPS:
-                        continue
-                    queues = list(pending)
-                    if k:
-                        queues[k] = pending[k][1:]
-                    for j in consumers[k]:
-                        queues[j] = pending[j] + (end + lag[j],)
-                    queues = [tuple(max(t, end) for t in q) for q in queues]
-                    grown.setdefault(counts, []).append((end, new_span, tuple(queues)))
-                    states += 1
-        layer = {counts: _undominated(group) for counts, group in grown.items()}
-        if not layer:
-            return Relaxed(float(target), states, True)
+    tail, tail_step = machine.tail, machine.tail_step
+    n = len(dur)
+    ins = [[e for e, (_, b, _) in enumerate(machine.edges) if b == k] for k in range(n)]
+    outs = [[e for e, (a, _, _) in enumerate(machine.edges) if a == k] for k in range(n)]
+    lags = [lag for _, _, lag in machine.edges]
+    total = m * sum(dur)
+    grown: dict[tuple[int, ...], list] = {}
+    made = 0
+    for done, group in layer.items():
+        used = sum(c * x for c, x in zip(done, mem, strict=True))
+        left = total - sum(c * d for c, d in zip(done, dur, strict=True))
+        for free, span, pending in group:
+            for k in range(n):
+                j = done[k]
+                if j >= m or (mem[k] > 0 and used + mem[k] > budget + _EPS):
+                    continue
+                if any(not pending[e] for e in ins[k]):
+                    continue
+                ready = max([rel[k] + j * rel_step[k], *(pending[e][0] for e in ins[k])])
+                end = max(free, ready) + dur[k]
+                new_span = max(span, end + tail[k] + j * tail_step[k])
+                counts = (*done[:k], j + 1, *done[k + 1 :])
+                if prune(end, new_span, left - dur[k], counts):
+                    continue
+                queues = list(pending)
+                for e in ins[k]:
+                    queues[e] = pending[e][1:]
+                for e in outs[k]:
+                    queues[e] = queues[e] + (end + lags[e],)
+                queues = [tuple(max(t, end) for t in q) for q in queues]
+                grown.setdefault(counts, []).append((end, new_span, tuple(queues)))
+                made += 1
+    return {counts: _undominated(group) for counts, group in grown.items()}, made
+
+
+def _start(machine: _Machine) -> dict:
+    return {(0,) * len(machine.duration): [(0.0, 0.0, ((),) * len(machine.edges))]}
+
+
+def _idle_at_end(
+    machine: _Machine, m: int, budget: float, room: float, max_states: int
+) -> tuple[list[float], int]:
+    """Running back from the end: for y = 0, 1, ... the least idle any order has among the
+    rank's last y actions (up to `room`: a state with that much is dropped, it has shown
+    enough), as deep as `max_states` reaches; and the states made. Idle only grows along an
+    order, so each figure holds for every y at or past it."""
+    dur = machine.duration
+    total = m * sum(dur)
+
+    def enough(end: float, span: float, left: float, counts: tuple[int, ...]) -> bool:
+        return end - (total - left) >= room - _EPS
+
+    layer, states, least = _start(machine), 0, [0.0]
+    for _ in range(len(dur) * m):
+        layer, made = _steps(machine, m, budget, layer, enough)
+        states += made
+        if not layer:  # every order shows `room` within one more action
+            return [*least, room], states
+        least.append(
+            min(
+                free - sum(c * d for c, d in zip(done, dur, strict=True))
+                for done, group in layer.items()
+                for free, _, _ in group
+            )
+        )
         if states > max_states:
+            break
+    return least, states
+
+
+def _fastest(
+    machine: _Machine,
+    m: int,
+    budget: float,
+    target: float,
+    drain: list[float],
+    max_states: int,
+) -> tuple[float, int, bool]:
+    """Forwards from the start: the least makespan (or `target`), the states made and whether
+    it is exact. An order that has taken l of the rank's n actions still has the last n - l
+    to come, with at least `drain[n - l]` idle among them (the last figure for more): its end
+    is charged that idle too."""
+    dur = machine.duration
+    n = len(dur) * m
+    total = m * sum(dur)
+    last_b, w_from = machine.last_b, machine.w_from
+    deepest = len(drain) - 1
+
+    def still(taken: int) -> float:
+        return drain[min(n - taken, deepest)]
+
+    layers = 0
+
+    def prune(end: float, span: float, left: float, counts: tuple[int, ...]) -> bool:
+        finish = end + left + still(layers + 1)
+        if last_b >= 0 and counts[last_b] < m:  # every F and B left ends by the lowest
+            w_left = sum(  # stage's last B; only W may follow it
+                (m - c) * d for c, d in zip(counts[w_from:], dur[w_from:], strict=True)
+            )
+            finish = max(finish, end + left - w_left + machine.tail[last_b])
+        return max(span, finish) >= target - _EPS
+
+    layer, states = _start(machine), 0
+    for _ in range(n):
+        layer, made = _steps(machine, m, budget, layer, prune)
+        states += made
+        layers += 1
+        if not layer:
+            return float(target), states, True
+        if states > max_states:
+            after = still(layers)
             reached = min(
-                max(span, free + total_work - sum(c * d for c, d in zip(done, dur, strict=True)))
+                max(span, free + total - sum(c * d for c, d in zip(done, dur, strict=True)) + after)
                 for done, group in layer.items()
                 for free, span, _ in group
             )
-            return Relaxed(float(min(reached, target)), states, False)
+            return float(min(reached, target)), states, False
     best = min(max(span, free) for group in layer.values() for free, span, _ in group)
-    return Relaxed(float(min(best, target)), states, True)
+    return float(min(best, target)), states, True
 
 
 def _undominated(group: list) -> list:

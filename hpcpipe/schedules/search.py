@@ -468,10 +468,12 @@ def _kick(
     if start is None:
         return
     costs = costs_for(start.schedule.num_stages)
+    tried: set[str] = set()
     for extra in KICKS:
         kicked = deepened(start.schedule, costs, budget, extra)
-        if kicked is None:
-            continue
+        if kicked is None or kicked.fingerprint() in tried:
+            continue  # (where the budget is full, one more forward is all a rank takes)
+        tried.add(kicked.fingerprint())
         sched, result, _ = refine(kicked, costs, budget, evals)
         peak = float(result.peak_memory.max())
         if _fits(peak, cap) and _faster(result.makespan, start.makespan):

@@ -141,3 +141,29 @@ def test_the_kicked_search_is_deterministic():
     a, b = search(p, m, costs, 4.5), search(p, m, costs, 4.5)
     assert a.how.startswith("up to 1 more F before the first B, refined: ")
     assert a.how == b.how and a.schedule.fingerprint() == b.schedule.fingerprint()
+
+
+def test_a_kicked_order_is_refined_once_where_the_budget_makes_the_kicks_the_same(monkeypatch):
+    """V-Half, p = 4, budget 3.5 (half a microbatch above its peak): each rank has room for
+    one more forward only, so one, two and three more give the same order, and it is refined
+    once, not three times (the refinement is what a kick costs)."""
+    p, m = 4, 8
+    sched = build_schedule("v-half", p, m)
+    costs = _costs(p, m)(sched.num_stages)
+    budget = 3.5
+    orders = [deepened(sched, costs, budget, extra) for extra in search_module.KICKS]
+    assert all(o is not None for o in orders)
+    assert len({o.fingerprint() for o in orders}) == 1
+    refined: list[str] = []
+    real = search_module.refine
+
+    def counting(schedule, *args, **kw):
+        refined.append(schedule.fingerprint())
+        return real(schedule, *args, **kw)
+
+    monkeypatch.setattr(search_module, "refine", counting)
+    result = simulate(sched, costs)
+    found = search_module.Found(sched, result.makespan, float(result.peak_memory.max()), "v-half")
+    search_module._kick([(found.makespan, found.peak, 0, found)], lambda f: None, budget,
+                        budget, _costs(p, m), 10_000)  # fmt: skip
+    assert refined == [orders[0].fingerprint()]
