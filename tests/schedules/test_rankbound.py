@@ -53,34 +53,32 @@ def brute_force(kinds: RankActions, m: int, budget: float) -> float:
     return best
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    p=st.integers(2, 4),
-    m=st.integers(1, 3),
-    v_shape=st.booleans(),
-    t_f=st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0]), min_size=8, max_size=8),
-    t_b=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=8, max_size=8),
-    t_w=st.sampled_from([0.0, 0.5, 1.0]),
-    comm=st.sampled_from([0.0, 0.25]),
-    b_frees=st.sampled_from([0.0, 0.5]),
-    budget_units=st.integers(1, 6),
-    data=st.data(),
-)
-def test_the_search_finds_what_trying_every_order_finds(
-    p, m, v_shape, t_f, t_b, t_w, comm, b_frees, budget_units, data
-):
+@st.composite
+def small_ranks(draw):
+    """A rank alone small enough for brute force: (its kinds, m, budget), random costs,
+    communication, partial freeing by B and budgets from one microbatch up."""
     from hpcpipe.schedules import CostModel
 
+    p, v_shape = draw(st.integers(2, 4)), draw(st.booleans())
+    m = draw(st.integers(1, 2 if v_shape else 3))  # V: 12 actions, every order still quick
     stages = 2 * p if v_shape else p
-    if v_shape and m > 2:
-        m = 2  # 12 actions: every order of them is still quick to try
     costs = CostModel(
-        t_f=t_f[:stages], t_b=t_b[:stages], t_w=t_w, comm_latency=comm, b_frees=b_frees
+        t_f=draw(st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0]), min_size=stages, max_size=stages)),
+        t_b=draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=stages, max_size=stages)),
+        t_w=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        comm_latency=draw(st.sampled_from([0.0, 0.25])),
+        b_frees=draw(st.sampled_from([0.0, 0.5])),
     )
-    r = data.draw(st.integers(0, p - 1))
+    r = draw(st.integers(0, p - 1))
     placement = [(q, 2 * p - 1 - q) if v_shape else (q,) for q in range(p)]
-    budget = max(budget_units * 0.5, float(len(placement[r])))  # one microbatch always fits
-    kinds = rank_alone(placement, r, costs)
+    budget = max(draw(st.integers(1, 6)) * 0.5, float(len(placement[r])))  # one always fits
+    return rank_alone(placement, r, costs), m, budget
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_ranks())
+def test_the_search_finds_what_trying_every_order_finds(problem):
+    kinds, m, budget = problem
     exact = brute_force(kinds, m, budget)
     found = relaxed_makespan(kinds, m, budget)
     assert found.exact
@@ -139,37 +137,12 @@ def test_a_target_stops_the_proof_there():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    p=st.integers(2, 4),
-    m=st.integers(1, 3),
-    v_shape=st.booleans(),
-    t_f=st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0]), min_size=8, max_size=8),
-    t_b=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=8, max_size=8),
-    t_w=st.sampled_from([0.0, 0.5, 1.0]),
-    comm=st.sampled_from([0.0, 0.25]),
-    b_frees=st.sampled_from([0.0, 0.5]),
-    budget_units=st.integers(1, 6),
-    states=st.integers(1, 60),
-    data=st.data(),
-)
-def test_cut_short_anywhere_with_the_drain_it_stays_below_every_order(
-    p, m, v_shape, t_f, t_b, t_w, comm, b_frees, budget_units, states, data
-):
+@given(small_ranks(), st.integers(1, 60))
+def test_cut_short_anywhere_with_the_drain_it_stays_below_every_order(problem, states):
     """The drain search (running back from the end) and the forward search charged with its
     idle are both cut short after a few states here, at every depth: the figure is never
     above what trying every order finds, with or without a target."""
-    from hpcpipe.schedules import CostModel
-
-    stages = 2 * p if v_shape else p
-    if v_shape and m > 2:
-        m = 2
-    costs = CostModel(
-        t_f=t_f[:stages], t_b=t_b[:stages], t_w=t_w, comm_latency=comm, b_frees=b_frees
-    )
-    r = data.draw(st.integers(0, p - 1))
-    placement = [(q, 2 * p - 1 - q) if v_shape else (q,) for q in range(p)]
-    budget = max(budget_units * 0.5, float(len(placement[r])))
-    kinds = rank_alone(placement, r, costs)
+    kinds, m, budget = problem
     exact = brute_force(kinds, m, budget)
     for target in (math.inf, exact, exact + 1.0):
         got = relaxed_makespan(kinds, m, budget, target=target, max_states=states)
