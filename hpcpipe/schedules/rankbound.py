@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from operator import le
 
 import numpy as np
@@ -149,6 +150,15 @@ class _Machine:
     last_b: int = -1
     w_from: int = 0
 
+    @cached_property
+    def wiring(self) -> tuple[list[list[int]], list[list[int]], list[float]]:
+        """For each kind the edges into it and out of it, and every edge's lag: built once, read
+        for every state of every layer."""
+        kinds = range(len(self.duration))
+        ins = [[e for e, (_, b, _) in enumerate(self.edges) if b == k] for k in kinds]
+        outs = [[e for e, (a, _, _) in enumerate(self.edges) if a == k] for k in kinds]
+        return ins, outs, [lag for _, _, lag in self.edges]
+
 
 def _forwards(kinds: RankActions) -> _Machine:
     n = len(kinds.duration)
@@ -216,9 +226,7 @@ def _steps(machine: _Machine, m: int, budget: float, layer: dict, prune) -> tupl
     )
     tail, tail_step = machine.tail, machine.tail_step
     n = len(dur)
-    ins = [[e for e, (_, b, _) in enumerate(machine.edges) if b == k] for k in range(n)]
-    outs = [[e for e, (a, _, _) in enumerate(machine.edges) if a == k] for k in range(n)]
-    lags = [lag for _, _, lag in machine.edges]
+    ins, outs, lags = machine.wiring
     total = m * sum(dur)
     grown: dict[tuple[int, ...], list] = {}
     made = 0
