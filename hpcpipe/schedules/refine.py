@@ -12,8 +12,10 @@ in the order they are sent), so only actions of different (stage, kind) pass eac
 
 Two things keep the number of simulations per kept move small on long runs. A move refused
 is not tried again while the times around it (the gap's start and end, the moved action's
-input) stay the same. And a change often has to travel through the whole steady state: the
-gap moves make it one microbatch per pass (MoE costs, p = 6, m = 48, budget 4: the same four
+input) stay the same; before the refinement stops, one pass retries every refused move (a
+move can help later for reasons far from its gap), so it stops where the old one did: where
+no gap move helps. And a change often has to travel through the whole steady state: the gap
+moves make it one microbatch per pass (MoE costs, p = 6, m = 48, budget 4: the same four
 moves, one microbatch on each time, 45 times, before V-Half's 179.15 drops to the optimum,
 178.75). Where the kept moves since one that moved the same action of the microbatch before
 the same way repeat, `_State.ripple` makes that period for every later microbatch at once
@@ -104,8 +106,12 @@ def refine(
     simulation and the number of simulations spent."""
     state = _State(schedule, costs, budget, max_evals)
     shifts = shifts and shift_pass_evals(schedule.kinds.size) <= max_evals
-    while state.evals < max_evals and _gap_move(state):
-        pass
+    while state.evals < max_evals:
+        if _gap_move(state):
+            continue
+        if not state.skipped:
+            break
+        state.refused.clear()  # before stopping, one pass that retries every refused move
     while shifts and state.evals < max_evals and _shift(state):
         pass
     return state.best, state.result, state.evals
@@ -128,6 +134,7 @@ class _State:
         self.start, self.mbs = schedule, schedule.num_microbatches
         self.moves: list[tuple[int, int, int, int]] = []  # kept: (kind, stage, mb, shift)
         self.refused: set[tuple] = set()  # gap moves refused, with the times around them
+        self.skipped = 0  # refused moves the last pass over the gaps did not try again
         self.dead: set[tuple[tuple[int, int, int], ...]] = set()  # ripples that did not help
 
     def keys(self, table) -> np.ndarray:
@@ -254,6 +261,7 @@ def _gap_move(state: _State) -> bool:
     """One accepted move of a later action into a gap in front of an earlier one (the
     longest waits first), or False when none helps."""
     best, result = state.best, state.result
+    state.skipped = 0
     table = compute_table(best)
     end = np.append(result.end, 0.0)  # dep == n: no input
     ready = end[table.dep] + np.where(table.cross, state.costs.comm_time, 0.0)
@@ -282,6 +290,7 @@ def _gap_move(state: _State) -> bool:
                 float(ready[j]),
             )
             if seen in state.refused:
+                state.skipped += 1
                 continue
             if state.evals >= state.max_evals:
                 return False

@@ -368,10 +368,10 @@ def _kick_evals(p: int, m: int) -> int:
     return max(_refine_effort(p, m)[0], KICK_ACTIONS // (6 * p * m))
 
 
-REFINE_ACTIONS = 16_000_000
+REFINE_ACTIONS = 8_000_000
 """Simulated actions each refined candidate may spend on moves into gaps where it gets no
-shift pass: at p = 16, m = 128, MoE costs, budget 9, the 716 simulations that take V-Half's
-485.95 to 485.45 (about 4 million actions stopped it at 325)."""
+shift pass: at p = 16, m = 128, MoE costs, budget 9, the 651 simulations that take V-Half's
+485.95 to 485.45 (4 million actions, 325 simulations, leave it at 485.95)."""
 
 SHIFT_ACTIONS = 4_000_000
 """... and where a full shift pass fits in this many, the candidate gets one, with at most 1500
