@@ -10,7 +10,9 @@ a move that breaks a dependency, exceeds the budget or would reorder a channel i
 Microbatches keep their order per stage and kind (the runtime matches messages of one channel
 in the order they are sent), so only actions of different (stage, kind) pass each other.
 
-Two things keep the number of simulations per kept move small on long runs. A move refused
+A second phase (`then`) goes on from where that stops or its cap ends it, with two things
+that keep the number of simulations per kept move small on long runs (the first phase is
+the plain one, so the two never end above it alone). A move refused
 is not tried again while the times around it (the gap's start and end, the moved action's
 input) stay the same; before the refinement stops, one pass retries every refused move (a
 move can help later for reasons far from its gap), so it stops where the old one did: where
@@ -100,20 +102,27 @@ def refine(
     max_evals: int,
     *,
     shifts: bool = True,
+    then: int = 0,
 ) -> tuple[Schedule, SimResult, int]:
     """Improve `schedule` (unlowered, without pairs) by moves into gaps, then (with `shifts`,
-    where a full pass fits `max_evals`) by shifts; returns the best schedule found, its
-    simulation and the number of simulations spent."""
+    where a full pass fits `max_evals`) by shifts, then with up to `then` more simulations
+    by moves into gaps that make ripples at once and remember refused moves (module
+    docstring); returns the best schedule found, its simulation and the number of
+    simulations spent."""
     state = _State(schedule, costs, budget, max_evals)
     shifts = shifts and shift_pass_evals(schedule.kinds.size) <= max_evals
-    while state.evals < max_evals:
-        if _gap_move(state):
-            continue
-        if not state.skipped:
-            break
-        state.refused.clear()  # before stopping, one pass that retries every refused move
+    while state.evals < max_evals and _gap_move(state):
+        pass
     while shifts and state.evals < max_evals and _shift(state):
         pass
+    if then > 0:
+        state.fast, state.max_evals = True, state.evals + then
+        while state.evals < state.max_evals:
+            if _gap_move(state):
+                continue
+            if not state.skipped:
+                break
+            state.refused.clear()  # before stopping, one pass that retries every refused move
     return state.best, state.result, state.evals
 
 
@@ -135,6 +144,7 @@ class _State:
         self.moves: list[tuple[int, int, int, int]] = []  # kept: (kind, stage, mb, shift)
         self.refused: set[tuple] = set()  # gap moves refused, with the times around them
         self.skipped = 0  # refused moves the last pass over the gaps did not try again
+        self.fast = False  # ripples made at once, refused moves remembered
         self.dead: set[tuple[tuple[int, int, int], ...]] = set()  # ripples that did not help
 
     def keys(self, table) -> np.ndarray:
@@ -156,7 +166,8 @@ class _State:
         self.best = _moved(best, frm, to)
         self.result, self.order = simulate(self.best, self.costs), order
         self.score = _score(self.result)
-        self.ripple()
+        if self.fast:
+            self.ripple()
         return True
 
     def ripple(self) -> None:
@@ -289,14 +300,15 @@ def _gap_move(state: _State) -> bool:
                 float(result.end[k - 1]),
                 float(ready[j]),
             )
-            if seen in state.refused:
+            if state.fast and seen in state.refused:
                 state.skipped += 1
                 continue
             if state.evals >= state.max_evals:
                 return False
             if state.tried(int(table.pos[j]), int(table.pos[k])):
                 return True
-            state.refused.add(seen)
+            if state.fast:
+                state.refused.add(seen)
     return False
 
 

@@ -365,26 +365,25 @@ m = 128 the 1,300 simulations two more forwards need (the refinement's own 325 s
 
 
 def _kick_evals(p: int, m: int) -> int:
-    return max(_refine_effort(p, m)[0], KICK_ACTIONS // (6 * p * m))
+    return max(_refine_evals(p, m), KICK_ACTIONS // (6 * p * m))
 
 
-REFINE_ACTIONS = 8_000_000
-"""Simulated actions each refined candidate may spend on moves into gaps where it gets no
-shift pass: at p = 16, m = 128, MoE costs, budget 9, the 651 simulations that take V-Half's
-485.95 to 485.45 (4 million actions, 325 simulations, leave it at 485.95)."""
-
-SHIFT_ACTIONS = 4_000_000
-"""... and where a full shift pass fits in this many, the candidate gets one, with at most 1500
-simulations more (so at p = 5, m = 5 under MoE costs, budget 3, V-Half's 28.0 becomes 27.4,
-the optimum)."""
-
-
-def _refine_effort(p: int, m: int) -> tuple[int, bool]:
-    """(simulations per refined candidate, whether it gets a shift pass)."""
+def _refine_evals(p: int, m: int) -> int:
+    """Simulations per refined candidate: about four million simulated actions each, at
+    most 1500 beyond a full shift pass (so every problem small enough for one gets it: at
+    p = 5, m = 5 under MoE costs, budget 3, it takes V-Half's 28.0 to 27.4, the optimum)."""
     actions = 6 * p * m
-    if shift_pass_evals(actions) <= SHIFT_ACTIONS // actions:
-        return min(SHIFT_ACTIONS // actions, shift_pass_evals(actions) + 1500), True
-    return max(40, REFINE_ACTIONS // actions), False
+    return max(40, min(4_000_000 // actions, shift_pass_evals(actions) + 1500))
+
+
+RIPPLE_ACTIONS = 8_000_000
+"""Simulated actions each refined candidate may spend after that on moves into gaps that
+make ripples at once (`refine`'s `then`): at p = 16, m = 128, MoE costs, budget 9, they take
+V-Half's 485.95 to 485.55 (4 million, the second phase alone stops at 485.95)."""
+
+
+def _ripple_evals(p: int, m: int) -> int:
+    return max(40, RIPPLE_ACTIONS // (6 * p * m))
 
 
 def search(
@@ -440,13 +439,13 @@ def search(
         for found in _family(p, m, costs_for, budget):
             add(found)
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
-    budget_evals, shifts = _refine_effort(p, m)
+    budget_evals, then = _refine_evals(p, m), _ripple_evals(p, m)
     for *_, found in ranked[:REFINED]:
         if found.schedule.pairs.size:
             continue
         sched, result, _ = refine(
             found.schedule, costs_for(found.schedule.num_stages), budget, budget_evals,
-            shifts=shifts,
+            then=then,
         )  # fmt: skip
         if _faster(result.makespan, found.makespan):
             how = "refined " + found.how

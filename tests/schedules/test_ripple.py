@@ -1,9 +1,9 @@
-"""The refinement's two ways of spending fewer simulations per kept move: a change that ripples
-through the steady state one microbatch per pass is made for the rest of the run at once
-(`_State.ripple`), and a gap move refused while the times around it stay the same is not tried
-again. Under MoE costs (an all-to-all of a quarter of F and B, 0.1 per message) both take a
-published schedule below itself at its own peak, where the refinement used to stop at the
-simulation cap first."""
+"""The refinement's second phase (`refine`'s `then`) and its two ways of spending fewer
+simulations per kept move: a change that ripples through the steady state one microbatch per
+pass is made for the rest of the run at once (`_State.ripple`), and a gap move refused while
+the times around it stay the same is not tried again. Under MoE costs (an all-to-all of a
+quarter of F and B, 0.1 per message) they take a published schedule below itself at its own
+peak, where the plain refinement stops at its simulation cap first."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hpcpipe.schedules import build_schedule, simulate, validate
 from hpcpipe.schedules.bound import lower_bound
 from hpcpipe.schedules.config import PipelineConfig, costs_for
 from hpcpipe.schedules.refine import refine
-from hpcpipe.schedules.search import _refine_effort, search
+from hpcpipe.schedules.search import _refine_evals, _ripple_evals, search
 
 
 def _moe(p: int, m: int):
@@ -61,13 +61,13 @@ def test_a_ripple_is_made_at_once_and_reaches_the_optimum(monkeypatch):
     assert simulate(sched, costs).makespan == pytest.approx(179.15)
     bound = lower_bound(_v(p), m, costs, 4.0).makespan
     assert bound == pytest.approx(178.75)
-    best, result, _ = refine(sched, costs, 4.0, 250, shifts=False)
+    best, result, _ = refine(sched, costs, 4.0, 0, then=250)
     assert result.makespan == pytest.approx(bound)
     assert result.peak_memory.max() <= 4.0
     validate(best)
     _channels_in_order(best)
     monkeypatch.setattr(refine_module, "_period", lambda moves: None)  # one period a pass
-    _, alone, _ = refine(sched, costs, 4.0, 250, shifts=False)
+    _, alone, _ = refine(sched, costs, 4.0, 0, then=250)
     assert alone.makespan == pytest.approx(179.15)
 
 
@@ -78,12 +78,12 @@ def test_refused_moves_are_not_tried_again_while_their_gap_is_unchanged(monkeypa
     p, m = 10, 40
     sched = build_schedule("v-half", p, m)
     costs = _moe(p, m)(2 * p)
-    best, result, _ = refine(sched, costs, 6.0, 1666, shifts=False)
+    best, result, _ = refine(sched, costs, 6.0, 0, then=1666)
     assert result.makespan == pytest.approx(161.65)
     assert result.peak_memory.max() <= 6.0
     validate(best)
     _without_refused_moves(monkeypatch)
-    _, retried, _ = refine(sched, costs, 6.0, 1666, shifts=False)
+    _, retried, _ = refine(sched, costs, 6.0, 0, then=1666)
     assert retried.makespan == pytest.approx(161.95)
 
 
@@ -100,9 +100,9 @@ def test_the_refinement_stops_only_where_no_gap_move_helps(p, m, name, budget):
     costs = _moe(p, m)(sched.num_stages)
     if budget is None:
         budget = float(simulate(sched, costs).peak_memory.max())
-    best, result, used = refine(sched, costs, budget, 1_000_000, shifts=False)
+    best, result, used = refine(sched, costs, budget, 0, then=1_000_000)
     assert used < 1_000_000
-    _, second, _ = refine(best, costs, budget, 1_000_000, shifts=False)
+    _, second, _ = refine(best, costs, budget, 1_000_000, shifts=False)  # plain gap moves
     assert second.makespan == result.makespan
     assert second.end.sum() == result.end.sum()
     if p == 5:
@@ -130,18 +130,23 @@ def test_a_ripple_move_never_passes_its_own_channel_or_leaves_its_rank():
     assert np.array_equal(order, np.arange(order.size))
 
 
-def test_the_refinement_cap_reaches_a_ripple_at_p16():
-    """p = 16, m = 128, budget 9: V-Half's 485.95 becomes 485.45 within the cap of 8 million
-    actions (651 simulations); 4 million (325) stop short of it."""
+def test_the_second_phase_reaches_a_ripple_at_p16_and_is_never_worse():
+    """p = 16, m = 128, budget 9: the plain refinement (325 simulations, about 4 million
+    actions) leaves V-Half at 485.95; the second phase's 651 more (8 million actions) take it
+    to 485.55. The first phase is the plain refinement itself, so the two phases never end
+    above it."""
     p, m = 16, 128
     sched = build_schedule("v-half", p, m)
     costs = _moe(p, m)(2 * p)
-    evals, shifts = _refine_effort(p, m)
-    assert (evals, shifts) == (8_000_000 // (6 * p * m), False)
-    _, result, _ = refine(sched, costs, 9.0, evals, shifts=shifts)
-    assert result.makespan == pytest.approx(485.45)
-    _, short, _ = refine(sched, costs, 9.0, 4_000_000 // (6 * p * m), shifts=False)
-    assert short.makespan == pytest.approx(485.95)
+    evals, then = _refine_evals(p, m), _ripple_evals(p, m)
+    assert (evals, then) == (4_000_000 // (6 * p * m), 8_000_000 // (6 * p * m))
+    _, plain, used = refine(sched, costs, 9.0, evals)
+    assert plain.makespan == pytest.approx(485.95) and used == evals
+    best, result, _ = refine(sched, costs, 9.0, evals, then=then)
+    assert result.makespan == pytest.approx(485.55)
+    assert result.peak_memory.max() <= 9.0
+    validate(best)
+    _channels_in_order(best)
 
 
 @pytest.mark.parametrize(
