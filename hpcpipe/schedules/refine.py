@@ -293,21 +293,18 @@ def _gap_move(state: _State) -> bool:
                 passed.add(kj)
                 continue
             passed.add(kj)
-            seen = (  # the two actions, by their index in the start schedule
-                int(state.order[table.pos[j]]),
-                int(state.order[table.pos[k]]),
-                float(result.start[k]),
-                float(result.end[k - 1]),
-                float(ready[j]),
-            )
-            if state.fast and seen in state.refused:
-                state.skipped += 1
-                continue
+            seen = None
+            if state.fast:  # the two actions, by their index in the start schedule, and times
+                a, b = int(state.order[table.pos[j]]), int(state.order[table.pos[k]])
+                seen = (a, b, float(result.start[k]), float(result.end[k - 1]), float(ready[j]))
+                if seen in state.refused:
+                    state.skipped += 1
+                    continue
             if state.evals >= state.max_evals:
                 return False
             if state.tried(int(table.pos[j]), int(table.pos[k])):
                 return True
-            if state.fast:
+            if seen is not None:
                 state.refused.add(seen)
     return False
 
