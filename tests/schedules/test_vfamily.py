@@ -109,3 +109,25 @@ def test_an_order_at_the_bound_exists_where_the_family_stops_at_v_min():
     assert bound.makespan == 76.0
     family = [simulate(s, costs).makespan for _, s in members(p, m, costs, 6.5, 10**9)]
     assert min(family) == simulate(build_schedule("v-min", p, m), costs).makespan == 77.5
+
+
+def test_an_order_at_the_bound_exists_half_a_microbatch_above_v_min_at_p12():
+    """p = 12, m = 12, unit costs, budget 5.5: the search keeps V-Min's 56.5 (its refinement
+    finds no move, kicked or not), yet the bound, 55 (the last rank alone, exactly), is
+    reached. The order in data/ was found by OR-Tools CP-SAT (by hand, one worker, 85 s, F
+    and B of every stage in microbatch order; docs/performance.md): its ranks run 8 to 11
+    forwards before their first backward (V-Min 10 on every rank) and defer W in bursts. The
+    search's next target at p = 12."""
+    from pathlib import Path
+
+    from hpcpipe.schedules.ir import read_csv
+
+    p, m = 12, 12
+    costs = _unit(p, m)
+    known = read_csv(Path(__file__).with_name("data") / "p12_m12_budget5.5_optimum.csv")
+    validate(known)
+    result = simulate(known, costs)
+    assert result.makespan == 55.0 and result.peak_memory.max() <= 5.5
+    bound = lower_bound(v_placement(p), m, costs, 5.5, target=55.0)
+    assert bound.makespan == 55.0
+    assert simulate(build_schedule("v-min", p, m), costs).makespan == 56.5
