@@ -4,12 +4,15 @@ and the search takes it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hpcpipe.schedules import build_schedule, simulate, validate
 from hpcpipe.schedules.blocks import compacted_v, repeated_peak
 from hpcpipe.schedules.bound import lower_bound
 from hpcpipe.schedules.config import PipelineConfig, costs_for
+from hpcpipe.schedules.ir import read_csv
 from hpcpipe.schedules.search import search
 from hpcpipe.schedules.vfamily import climbs, members, rank_rows
 from hpcpipe.schedules.vshape import building_block, v_placement
@@ -95,18 +98,9 @@ def test_an_order_at_the_bound_exists_where_the_family_stops_at_v_min():
     worker, V-Min as a hint; docs/performance.md) with every stage in microbatch order: it is
     a valid schedule the runtime can run, within the budget, at the bound. The search's next
     target."""
-    from pathlib import Path
-
-    from hpcpipe.schedules.ir import read_csv
-
     p, m = 16, 16
     costs = _unit(p, m)
-    known = read_csv(Path(__file__).with_name("data") / "p16_m16_budget6.5_optimum.csv")
-    validate(known)
-    result = simulate(known, costs)
-    assert result.makespan == 76.0 and result.peak_memory.max() <= 6.5
-    bound = lower_bound(v_placement(p), m, costs, 6.5, target=76.0, max_states=300_000)
-    assert bound.makespan == 76.0
+    _assert_at_the_bound("p16_m16_budget6.5_optimum.csv", p, m, 6.5, 76.0, 300_000)
     family = [simulate(s, costs).makespan for _, s in members(p, m, costs, 6.5, 10**9)]
     assert min(family) == simulate(build_schedule("v-min", p, m), costs).makespan == 77.5
 
@@ -118,16 +112,20 @@ def test_an_order_at_the_bound_exists_half_a_microbatch_above_v_min_at_p12():
     and B of every stage in microbatch order; docs/performance.md): its ranks run 8 to 11
     forwards before their first backward (V-Min 10 on every rank) and defer W in bursts. The
     search's next target at p = 12."""
-    from pathlib import Path
-
-    from hpcpipe.schedules.ir import read_csv
-
     p, m = 12, 12
+    _assert_at_the_bound("p12_m12_budget5.5_optimum.csv", p, m, 5.5, 55.0, 100_000)
+    assert simulate(build_schedule("v-min", p, m), _unit(p, m)).makespan == 56.5
+
+
+def _assert_at_the_bound(
+    name: str, p: int, m: int, budget: float, makespan: float, states: int
+) -> None:
+    """The order kept in data/`name` is valid, simulates to `makespan` within `budget` under
+    unit costs, and the lower bound of the V placement is that makespan: it is optimal."""
     costs = _unit(p, m)
-    known = read_csv(Path(__file__).with_name("data") / "p12_m12_budget5.5_optimum.csv")
+    known = read_csv(Path(__file__).with_name("data") / name)
     validate(known)
     result = simulate(known, costs)
-    assert result.makespan == 55.0 and result.peak_memory.max() <= 5.5
-    bound = lower_bound(v_placement(p), m, costs, 5.5, target=55.0)
-    assert bound.makespan == 55.0
-    assert simulate(build_schedule("v-min", p, m), costs).makespan == 56.5
+    assert result.makespan == makespan and result.peak_memory.max() <= budget
+    bound = lower_bound(v_placement(p), m, costs, budget, target=makespan, max_states=states)
+    assert bound.makespan == makespan
