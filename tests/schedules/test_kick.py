@@ -164,6 +164,8 @@ def test_a_kicked_order_is_refined_once_where_the_budget_makes_the_kicks_the_sam
     monkeypatch.setattr(search_module, "refine", counting)
     result = simulate(sched, costs)
     found = search_module.Found(sched, result.makespan, float(result.peak_memory.max()), "v-half")
+    at_bound = search_module._bound_check(_costs(p, m), budget)
+    assert not at_bound(found)  # (one at the bound is not kicked at all)
     search_module._kick([(found.makespan, found.peak, 0, found)], lambda f: None, budget,
-                        budget, _costs(p, m), 10_000)  # fmt: skip
+                        budget, _costs(p, m), 10_000, at_bound)  # fmt: skip
     assert refined == [orders[0].fingerprint()]

@@ -433,3 +433,39 @@ def test_a_flip_the_run_never_reaches_changes_nothing():
             np.testing.assert_array_equal(ours, theirs)
     changed = list_schedule(prob, 3.0, Policy(True, flips=((d, 0),)))
     assert any(not np.array_equal(a, b) for a, b in zip(changed.order, plain.order, strict=True))
+
+
+def test_skipping_candidates_at_their_bound_changes_no_result(monkeypatch):
+    """Refinement and kicks keep only strictly faster orders, so a candidate already at its
+    placement's lower bound is not refined: the search must give the very same schedule as
+    with every candidate refined, and the check must actually fire on this grid."""
+    refined = {"n": 0}
+    real_refine = search_module.refine
+
+    def counting_refine(*args, **kwargs):
+        refined["n"] += 1
+        return real_refine(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "refine", counting_refine)
+    grid = []
+    for p, m, cfg in [
+        (3, 6, PipelineConfig(microbatches=6)),
+        (4, 4, PipelineConfig(microbatches=4)),
+        (4, 8, PipelineConfig(microbatches=8)),
+        (4, 8, UNEVEN),
+    ]:
+        costs = costs_for(cfg, p)
+        floor = min_budget(p, costs)
+        grid += [(p, m, costs, b) for b in (floor, floor + 0.5, p / 2 + 0.5, p, None)]
+    runs = {}
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(search_module, "_bound_check", lambda *args: lambda found: False)
+        refined["n"] = 0
+        found = [search(p, m, costs, budget) for p, m, costs, budget in grid]
+        runs[skip] = (found, refined["n"])
+    (with_skip, n_skip), (without, n_all) = runs[True], runs[False]
+    for a, b in zip(with_skip, without, strict=True):
+        assert (a.makespan, a.peak, a.how) == (b.makespan, b.peak, b.how)
+        assert a.schedule.fingerprint() == b.schedule.fingerprint()
+    assert n_skip < n_all
