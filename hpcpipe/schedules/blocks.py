@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import hpcpipe.schedules._compiled as _compiled
 from hpcpipe.schedules.ir import Kind, Schedule
 
 __all__ = ["compacted_v", "half_block", "min_block", "repeated_peak"]
@@ -82,6 +83,10 @@ def repeated_peak(block: np.ndarray, m: int) -> int:
     (`compacted_v` moves an action only where the rank's peak does not rise; the family of
     `vfamily` is tested for equality with the simulator's peak), so a budget can pick blocks
     before any is built."""
+    if _compiled.wanted(block.size * m):  # the search sizes up thousands of blocks at p = 64
+        kernel = _compiled.kernel("_blocks_numba", "repeated_peak")
+        if kernel is not None:
+            return int(kernel(np.ascontiguousarray(block[:, :4], dtype=np.int64), m, PERIOD))
     reps = PERIOD * np.arange(m, dtype=np.int64)
     return max(_peak([block[r, typ] + reps for typ in range(4)]) for r in range(len(block)))
 

@@ -6,10 +6,16 @@ A V block's second-chunk forwards climb back up the ranks one slot per stage (V-
 lengthens the lifespans of the activations held below it, so the repeated block holds more
 microbatches in flight, and rank 0, whose last forward's round trip ends the schedule, starts
 that forward earlier. Mixing the climbs, k stages at c + 1 and the others at c (the k next to
-the turn or the k next to the end), gives blocks at every peak between two published ones;
-each is repeated and compacted like V-Min and V-Half (`blocks.compacted_v`). Unit costs,
+the turn or the k next to the end, or some next to each), gives blocks at every peak between
+two published ones; each is repeated and compacted like V-Min and V-Half
+(`blocks.compacted_v`). Unit costs,
 p = 16, m = 16: a budget of 7 takes 74.5 (the lower bound; V-Min at peak 6 takes 77.5, V-Half
 at 9 takes 68.5), and p = 8, m = 64, budget 5.5 takes 199.5 against V-Half's 200.5.
+Where half a microbatch more than V-Min's peak holds no one-sided mix that beats it, a
+two-sided one does: unit costs, p = 12, budget 5.5, two stages next to the turn and one next
+to the end take 56.0, 92.0, 164.0, 308.0 for m = 12, 24, 48, 96 (V-Min 56.5, 92.5, 164.5,
+308.5; the one-sided blocks at that peak 57.0 and more), and p = 15, budget 6.5, 71.0 to
+386.0 for m = 15 to 120 (V-Min half a unit more).
 
 A block's peak is known before it is built (`blocks.repeated_peak`), so `members` builds only
 the blocks with the most chunk activations the budget holds (more in flight: the last forward
@@ -44,18 +50,29 @@ class Member:
 
     def describe(self) -> str:
         base = min(self.climb)
-        k = self.climb.count(base + 1)
-        where = "next to the turn" if self.climb[0] > base else "next to the end"
-        return f"V block family: climb {base + 1} into {k} stages {where}, {base} elsewhere"
+        steep = [c > base for c in self.climb]
+        turn = steep.index(False)  # steeper stages next to the turn (a mix keeps one at base)
+        end = steep[::-1].index(False)
+        where = [
+            f"{k} stage{'s' if k > 1 else ''} next to the {side}"
+            for k, side in ((turn, "turn"), (end, "end"))
+            if k
+        ]
+        return f"V block family: climb {base + 1} into {' and '.join(where)}, {base} elsewhere"
 
 
 def climbs(p: int) -> Iterator[tuple[int, ...]]:
     """The mixed climbs: base 1 (V-Min to V-Half) and 2 (V-Half to ZB-V), k = 1 .. p-1 stages
-    one slot steeper, next to the turn, then next to the end."""
+    one slot steeper, next to the turn, then next to the end; then the two-sided mixes, some
+    stages next to the turn and some next to the end (at least one stays at base)."""
     for base in (1, 2):
         for turn in (True, False):
             for k in range(1, p):
                 yield tuple(base + 1 if (i < k if turn else i >= p - k) else base for i in range(p))
+    for base in (1, 2):
+        for at_turn in range(1, p - 1):
+            for at_end in range(1, p - at_turn):
+                yield tuple(base + 1 if i < at_turn or i >= p - at_end else base for i in range(p))
 
 
 def rank_rows(off: np.ndarray, p: int) -> np.ndarray:

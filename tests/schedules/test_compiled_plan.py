@@ -1,6 +1,7 @@
 """The compiled planning passes that large schedules (and long searches) take (the structure
-check, the lowering's placement, the message check, the search's greedy) give the NumPy and
-Python paths' answers bit for bit, and every broken schedule the same error."""
+check, the lowering's placement, the message check, the search's greedy, the V family's block
+peaks) give the NumPy and Python paths' answers bit for bit, and every broken schedule the
+same error."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from hpcpipe.schedules import (
     validate,
 )
 from hpcpipe.schedules._table import _build_table, compute_table
+from hpcpipe.schedules.blocks import half_block, min_block, repeated_peak
 from hpcpipe.schedules.listsched import Policy, Problem, list_schedule, unit_costs
+from hpcpipe.schedules.vfamily import climbs, rank_rows
+from hpcpipe.schedules.vshape import building_block
 
 pytest.importorskip("numba")
 
@@ -266,3 +270,27 @@ def test_many_small_passes_switch_to_the_kernels_once_their_numpy_cost_adds_up(m
     assert _compiled.wanted(250, weight=4)  # one pass worth a kernel on its own
     assert not _compiled.wanted(100)  # 1000 reached by this one
     assert _compiled.wanted(1)  # from now on
+
+
+def _blocks():
+    """The family's blocks and the published ones, and random rows (slots shared by several
+    actions, a rank with no free slot between its Bs)."""
+    rng = np.random.default_rng(11)
+    for p in (1, 2, 3, 5, 8, 12):
+        for m in (1, 2, p, 2 * p + 1, 4 * p):
+            for climb in climbs(p):
+                yield rank_rows(building_block(p, climb), p), m
+            yield min_block(p), m
+            yield half_block(p), m
+    for _ in range(200):
+        p, m = int(rng.integers(1, 9)), int(rng.integers(1, 20))
+        yield rng.integers(0, 4 * p + 6, (p, 4)), m
+
+
+def test_the_compiled_block_peak_gives_the_numpy_one(monkeypatch):
+    peaks = []
+    for threshold in (NONE, ALL):
+        monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", threshold)
+        peaks.append([repeated_peak(block, m) for block, m in _blocks()])
+    assert peaks[0] == peaks[1]
+    assert len(set(peaks[0])) > 10  # the cases differ

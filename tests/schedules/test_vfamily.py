@@ -92,6 +92,28 @@ def test_the_search_beats_v_half_between_its_budget_and_zb_vs():
     validate(found.schedule)
 
 
+def test_a_two_sided_mix_beats_v_min_half_a_microbatch_above_its_peak():
+    """Unit costs, p = 12, budget 5.5 and p = 15, budget 6.5: every block that mixes its
+    steeper stages on one side takes V-Min's makespan or more there, at every m; two stages
+    next to the turn and one next to the end take half a unit less (the misses of the
+    schedule_search_p9_12 and _p15 figures before), and the search takes it."""
+    for p, budget in ((12, 5.5), (15, 6.5)):
+        for m in (p, 2 * p, 8 * p):
+            costs = _unit(p, m)
+            v_min = simulate(build_schedule("v-min", p, m), costs).makespan
+            got = {
+                member.climb: simulate(sched, costs).makespan
+                for member, sched in members(p, m, costs, budget, 10**9)
+            }
+            two_sided = (2, 2) + (1,) * (p - 3) + (2,)
+            assert got[two_sided] == v_min - 0.5, (p, m)
+            one_sided = [t for climb, t in got.items() if climb[0] == 1 or climb[-1] == 1]
+            assert one_sided and min(one_sided) >= v_min, (p, m)
+    found = search(12, 12, costs_for(PipelineConfig(microbatches=12), 12), 5.5)
+    assert found.makespan == 56.0 and found.peak <= 5.5
+    assert "2 stages next to the turn and 1 stage next to the end" in found.schedule.param("how")
+
+
 def test_an_order_at_the_bound_exists_where_the_family_stops_at_v_min():
     """p = 16, m = 16, unit costs, budget 6.5: the family's step there takes V-Min's 77.5, but
     the bound, 76, is reached. The order in data/ was found by OR-Tools CP-SAT (by hand, one
@@ -106,22 +128,22 @@ def test_an_order_at_the_bound_exists_where_the_family_stops_at_v_min():
 
 
 def test_an_order_at_the_bound_exists_half_a_microbatch_above_v_min_at_p12():
-    """p = 12, m = 12, unit costs, budget 5.5: the search keeps V-Min's 56.5 (its refinement
-    finds no move, kicked or not), yet the bound, 55 (the last rank alone, exactly), is
-    reached. The order in data/ was found by OR-Tools CP-SAT (by hand, one worker, 85 s, F
-    and B of every stage in microbatch order; docs/performance.md): its ranks run 8 to 11
-    forwards before their first backward (V-Min 10 on every rank) and defer W in bursts. The
-    search's next target at p = 12."""
+    """p = 12, m = 12, unit costs, budget 5.5: the search takes a two-sided family block's
+    56.0 (V-Min 56.5; no refinement or kick improves either), yet the bound, 55 (the last rank
+    alone, exactly), is reached. The order in data/ was found by OR-Tools CP-SAT (by hand, one
+    worker, 85 s, F and B of every stage in microbatch order; docs/performance.md): its ranks
+    run 8 to 11 forwards before their first backward (V-Min 10 on every rank) and defer W in
+    bursts. The search's next target at p = 12."""
     p, m = 12, 12
     _assert_at_the_bound("p12_m12_budget5.5_optimum.csv", p, m, 5.5, 55.0, 100_000)
     assert simulate(build_schedule("v-min", p, m), _unit(p, m)).makespan == 56.5
 
 
 def test_an_order_at_the_bound_exists_half_a_microbatch_above_v_min_at_p15():
-    """p = 15, m = 15, unit costs, budget 6.5: the same place as p = 12's, a miss of the
-    schedule_search_p15 figure (the search keeps V-Min's 71.5, bound 70). CP-SAT by hand (one
-    worker, F and B of every stage in microbatch order, asked for at most 70: 226 s) finds
-    an order at the bound; kept in data/ as the search's target at p = 15."""
+    """p = 15, m = 15, unit costs, budget 6.5: the same place as p = 12's (the search takes a
+    two-sided family block's 71.0, V-Min 71.5, bound 70). CP-SAT by hand (one worker, F and B
+    of every stage in microbatch order, asked for at most 70: 226 s) finds an order at the
+    bound; kept in data/ as the search's target at p = 15."""
     p, m = 15, 15
     _assert_at_the_bound("p15_m15_budget6.5_optimum.csv", p, m, 6.5, 70.0, 100_000)
     assert simulate(build_schedule("v-min", p, m), _unit(p, m)).makespan == 71.5
