@@ -8,14 +8,13 @@ microbatches in flight, and rank 0, whose last forward's round trip ends the sch
 that forward earlier. Mixing the climbs, k stages at c + 1 and the others at c (the k next to
 the turn or the k next to the end, or some next to each), gives blocks at every peak between
 two published ones; each is repeated and compacted like V-Min and V-Half
-(`blocks.compacted_v`). Unit costs,
-p = 16, m = 16: a budget of 7 takes 74.5 (the lower bound; V-Min at peak 6 takes 77.5, V-Half
-at 9 takes 68.5), and p = 8, m = 64, budget 5.5 takes 199.5 against V-Half's 200.5.
-Where half a microbatch more than V-Min's peak holds no one-sided mix that beats it, a
-two-sided one does: unit costs, p = 12, budget 5.5, two stages next to the turn and one next
-to the end take 56.0, 92.0, 164.0, 308.0 for m = 12, 24, 48, 96 (V-Min 56.5, 92.5, 164.5,
-308.5; the one-sided blocks at that peak 57.0 and more), and p = 15, budget 6.5, 71.0 to
-386.0 for m = 15 to 120 (V-Min half a unit more).
+(`blocks.compacted_v`). Unit costs, p = 16, m = 16: a budget of 7 takes 74.5 (the lower
+bound; V-Min at peak 6 takes 77.5, V-Half at 9 takes 68.5), and p = 8, m = 64, budget 5.5
+takes 199.5 against V-Half's 200.5. Where half a microbatch more than V-Min's peak holds
+no one-sided mix that beats it, a two-sided one does: unit costs, p = 12, budget 5.5, two
+stages next to the turn and one next to the end take 56.0, 92.0, 164.0, 308.0 for m = 12,
+24, 48, 96 (V-Min 56.5, 92.5, 164.5, 308.5; the one-sided blocks at that peak 57.0 and
+more), and p = 15, budget 6.5, 71.0 to 386.0 for m = 15 to 120 (V-Min half a unit more).
 
 A block's peak is known before it is built (`blocks.repeated_peak`), so `members` builds only
 the blocks with the most chunk activations the budget holds (more in flight: the last forward
