@@ -14,7 +14,7 @@ from hpcpipe.schedules.bound import lower_bound
 from hpcpipe.schedules.config import PipelineConfig, costs_for
 from hpcpipe.schedules.ir import read_csv
 from hpcpipe.schedules.search import search
-from hpcpipe.schedules.vfamily import climbs, members, rank_rows
+from hpcpipe.schedules.vfamily import climbs, members, rank_rows, sized
 from hpcpipe.schedules.vshape import building_block, v_placement
 
 
@@ -74,6 +74,24 @@ def test_members_keep_to_the_budget_and_the_count_of_actions():
     assert len({s.fingerprint() for _, s in few}) == len(few) >= 1
     assert all(member.chunks * 0.5 <= 5.5 for member, _ in every)
     assert "V block family: climb 3 into" in every[0][0].describe()
+
+
+def test_blocks_are_sized_once_per_p_and_m_and_shared_read_only():
+    """A search per budget (a Pareto sweep) takes the sizes of the first call: the same
+    blocks and peaks as sizing each climb afresh, and no caller can change them."""
+    p, m = 8, 16
+    first = sized(p, m)
+    assert sized(p, m) is first
+    assert [member.climb for member, _ in first] == list(climbs(p))
+    for member, block in first:
+        fresh = rank_rows(building_block(p, member.climb), p)
+        assert (block == fresh).all() and member.chunks == repeated_peak(fresh, m)
+        with pytest.raises(ValueError):
+            block[0, 0] = -1
+    costs = _unit(p, m)
+    assert [(a.climb, s.fingerprint()) for a, s in members(p, m, costs, 5.0, 10**9)] == [
+        (a.climb, s.fingerprint()) for a, s in members(p, m, costs, 5.0, 10**9)
+    ]
 
 
 def test_building_block_takes_a_climb_per_second_chunk_stage():
