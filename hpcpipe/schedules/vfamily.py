@@ -20,9 +20,9 @@ A block's peak is known before it is built (`blocks.repeated_peak`), so `members
 the blocks with the most chunk activations the budget holds (more in flight: the last forward
 starts earlier), within a count of simulated actions. The peaks depend on p and m only, not on
 the budget or the costs, so they are sized once per (p, m) (`sized`): a Pareto sweep or a
-search per budget at p = 64 would otherwise size its 4,158 blocks again each time (1-2.6 CPU
-s). Compaction costs more than linear time in the actions, so above `COMPACT_MAX_P`
-ranks, like the published blocks' compaction, the family is not built.
+search per budget at p = 64 would otherwise size its 4,158 blocks again each time (1 to 2.6
+CPU seconds). Compaction costs more than linear time in the actions, so above
+`COMPACT_MAX_P` ranks, like the published blocks' compaction, the family is not built.
 """
 
 from __future__ import annotations
