@@ -202,15 +202,25 @@ def _compact(rows: list[Row], with_w: bool) -> list[Row]:
     return _eager(rows)
 
 
-def compacted_v(name: str, p: int, m: int, block: np.ndarray, params=()) -> Schedule:
-    """The block repeated for m microbatches, compacted (module docstring) into a Schedule."""
+def _compacted_rows(p: int, m: int, block: np.ndarray) -> list[Row]:
+    """Every rank's rows F0 F1 B1 B0 W1 W0 after both compactions."""
+    if _compiled.wanted(6 * p * m, weight=4):  # ten blocks take half the search at p = 64
+        kernel = _compiled.kernel("_blocks_numba", "compacted_rows")
+        if kernel is not None:
+            out = kernel(np.ascontiguousarray(block[:, :4], dtype=np.int64), m, PERIOD)
+            return [list(out[r]) for r in range(p)]
     rows = [
         [block[r, typ] + PERIOD * np.arange(m, dtype=np.int64) for typ in range(4)]
         for r in range(p)
     ]
     rows = _compact(rows, with_w=True)
     rows = _compact([r[:4] for r in rows], with_w=False)
-    rows = [_put_w(r[:4], split=True) for r in rows]
+    return [_put_w(r[:4], split=True) for r in rows]
+
+
+def compacted_v(name: str, p: int, m: int, block: np.ndarray, params=()) -> Schedule:
+    """The block repeated for m microbatches, compacted (module docstring) into a Schedule."""
+    rows = _compacted_rows(p, m, block)
     S = 2 * p
     per_rank = []
     for r in range(p):

@@ -1,7 +1,7 @@
 """The compiled planning passes that large schedules (and long searches) take (the structure
 check, the lowering's placement, the message check, the search's greedy, the V family's block
-peaks) give the NumPy and Python paths' answers bit for bit, and every broken schedule the
-same error."""
+peaks and compaction) give the NumPy and Python paths' answers bit for bit, and every broken
+schedule the same error."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from hpcpipe.schedules import (
     validate,
 )
 from hpcpipe.schedules._table import _build_table, compute_table
-from hpcpipe.schedules.blocks import half_block, min_block, repeated_peak
+from hpcpipe.schedules.blocks import compacted_v, half_block, min_block, repeated_peak
 from hpcpipe.schedules.listsched import Policy, Problem, list_schedule, unit_costs
 from hpcpipe.schedules.vfamily import climbs, rank_rows
 from hpcpipe.schedules.vshape import building_block
@@ -294,3 +294,23 @@ def test_the_compiled_block_peak_gives_the_numpy_one(monkeypatch):
         peaks.append([repeated_peak(block, m) for block, m in _blocks()])
     assert peaks[0] == peaks[1]
     assert len(set(peaks[0])) > 10  # the cases differ
+
+
+def test_the_compiled_compaction_gives_the_python_one(monkeypatch):
+    """The V family's blocks compacted by the kernel (the search builds ten at p = 64, m =
+    256) are the Python path's schedules, action for action."""
+    built = []
+    for threshold in (NONE, ALL):
+        monkeypatch.setattr(_compiled, "COMPILED_ACTIONS", threshold)
+        monkeypatch.setattr(_compiled, "_numpy_actions", 0)
+        built.append(
+            [
+                _arrays(compacted_v("x", len(block), m, block))
+                for block, m in _blocks()
+                if len(block) <= 8 and m <= 2 * len(block) + 1
+            ]
+        )
+    assert len(built[0]) > 300
+    for python, compiled in zip(*built, strict=True):
+        assert all((a == b).all() for a, b in zip(python, compiled, strict=True))
+    assert len({a[1].tobytes() for a in built[0]}) > 100  # the cases differ
