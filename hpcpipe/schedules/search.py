@@ -24,7 +24,11 @@ stages and free communication. The search builds schedules for the deck's own co
    3 more forwards on each rank before its first backward, as the budget allows
    (`refine.deepened`), each kicked order refined again.
 
-Steps 4 and 5 skip a candidate already at the lower bound of its own placement (`bound`):
+6. **Escalation.** Where nothing the search built is faster than the best of the generators'
+   schedules (fixed and V family) and the lower bound says something may be, the kicks run
+   again with shift passes to the end (`ESCALATE_ACTIONS`), until one reaches the bound.
+
+Steps 4 to 6 skip a candidate already at the lower bound of its own placement (`bound`):
 they keep only strictly faster orders, and none exists.
 
 The fastest candidate wins (ties: the lower peak). Every candidate is re-simulated with
@@ -372,6 +376,30 @@ def _kick_evals(p: int, m: int) -> int:
     return max(_refine_evals(p, m), KICK_ACTIONS // (6 * p * m))
 
 
+ESCALATE_ACTIONS = 1 << 29
+"""Simulated actions each kick's refinement may spend when the search escalates (step 6): the
+shift passes the kicks' own budget leaves out (at p = 13, m = 13 one pass is 16,224
+simulations, the kick has 15,779) are what move a V-Half under MoE costs down to the bound
+(budget 7: 78.0 to 76.2 in about 140,000 simulations; p = 15, m = 15, budget 8: 90.5 to 88.4
+in about 237,000), 10-20 CPU s each. A count, not a time."""
+
+ESCALATE_PASSES = 4
+"""Shift passes the escalated budget must hold for the search to escalate at all: fewer
+rarely get a refinement from a kick to the bound (p = 15 took 11), so larger problems do not
+spend the time."""
+
+ESCALATE_STATES = 100_000
+"""States the bound's searches for ranks alone take before the search escalates: a candidate
+`BOUND_STATES` could not prove optimal may still be, and escalating then is wasted time."""
+
+
+def _escalate_evals(p: int, m: int) -> int:
+    """Simulations per kicked order when escalating; 0 where the passes do not fit."""
+    actions = 6 * p * m
+    evals = ESCALATE_ACTIONS // actions
+    return evals if evals >= ESCALATE_PASSES * shift_pass_evals(actions) else 0
+
+
 def _refine_evals(p: int, m: int) -> int:
     """Simulations per refined candidate: about four million simulated actions each, at
     most 1500 beyond a full shift pass (so every problem small enough for one gets it: at
@@ -436,12 +464,16 @@ def search(
     def placed(found: Found) -> bool:
         return shapes is None or tuple(map(tuple, found.schedule.stages_of_rank)) in shapes
 
+    generated = _INF  # the fastest fixed or V family schedule that fits
     for item in fixed if fixed is not None else fixed_points(p, m, costs_for, placements):
         if isinstance(item, Found) and _fits(item.peak, cap) and placed(item):
             add(item)
+            generated = min(generated, item.makespan)
     if True in placements:  # after the published schedules: equal makespan and peak, they win
         for found in _family(p, m, costs_for, budget):
             add(found)
+            if _fits(found.peak, cap):
+                generated = min(generated, found.makespan)
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
     budget_evals, then = _refine_evals(p, m), _ripple_evals(p, m)
     at_bound = _bound_check(costs_for, budget)
@@ -455,7 +487,11 @@ def search(
         if _faster(result.makespan, found.makespan):
             how = "refined " + found.how
             add(Found(sched, result.makespan, float(result.peak_memory.max()), how))
-    _kick(pool, add, cap, budget, costs_for, _kick_evals(p, m), at_bound)
+    cut = _kick(pool, add, cap, budget, costs_for, _kick_evals(p, m), at_bound)
+    evals = _escalate_evals(p, m)
+    if cut and evals and not _faster(min(e[0] for e in pool if _fits(e[1], cap)), generated):
+        proof = _bound_check(costs_for, budget, ESCALATE_STATES)
+        _kick(pool, add, cap, budget, costs_for, evals, proof, until_bound=True)
     valid = sorted(
         (entry for entry in pool if _fits(entry[1], cap)), key=lambda e: (e[0], e[1], e[2])
     )
@@ -477,25 +513,35 @@ def _kick(
     costs_for: CostsFor,
     evals: int,
     at_bound: Callable[[Found], bool],
-) -> None:
+    *,
+    until_bound: bool = False,
+) -> bool:
     """Kick the fastest schedule without pairs in the pool that fits (`KICKS`) and refine each
-    kicked order; adds those faster than it."""
+    kicked order; adds those faster than it (`until_bound`: stops at the first at the bound,
+    which no other kick can beat). Returns whether a refinement stopped for its budget
+    (`evals`, or a shift pass it could not hold) rather than for want of a better move."""
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
     start = next((e[3] for e in ranked if not e[3].schedule.pairs.size), None)
     if start is None or at_bound(start):
-        return
+        return False
     costs = costs_for(start.schedule.num_stages)
+    cut = shift_pass_evals(start.schedule.kinds.size) > evals
     tried: set[str] = set()
     for extra in KICKS:
         kicked = deepened(start.schedule, costs, budget, extra)
         if kicked is None or kicked.fingerprint() in tried:
             continue  # (where the budget is full, one more forward is all a rank takes)
         tried.add(kicked.fingerprint())
-        sched, result, _ = refine(kicked, costs, budget, evals)
+        sched, result, spent = refine(kicked, costs, budget, evals)
+        cut = cut or spent >= evals
         peak = float(result.peak_memory.max())
         if _fits(peak, cap) and _faster(result.makespan, start.makespan):
             how = f"up to {extra} more F before the first B, refined: {start.how}"
-            add(Found(sched, result.makespan, peak, how))
+            found = Found(sched, result.makespan, peak, how)
+            add(found)
+            if until_bound and at_bound(found):
+                break
+    return cut
 
 
 BOUND_STATES = 2_000
@@ -505,7 +551,9 @@ optimal: enough for most candidates at the bound (p = 16, m = 64, heavy ends, bu
 than the skipped refinements save. A count, not a time."""
 
 
-def _bound_check(costs_for: CostsFor, budget: float | None) -> Callable[[Found], bool]:
+def _bound_check(
+    costs_for: CostsFor, budget: float | None, states: int = BOUND_STATES
+) -> Callable[[Found], bool]:
     """Whether a candidate is at the lower bound of its own placement: refinement and kicks
     keep only strictly faster orders, so they cannot improve it and are skipped (the search's
     result is the same with or without the check). One bound per placement and number of
@@ -519,7 +567,7 @@ def _bound_check(costs_for: CostsFor, budget: float | None) -> Callable[[Found],
         if key not in known or _faster(found.makespan, known[key][0]):
             bound = lower_bound(
                 sched.stages_of_rank, sched.num_microbatches, costs_for(sched.num_stages),
-                budget, target=found.makespan, max_states=BOUND_STATES,
+                budget, target=found.makespan, max_states=states,
             )  # fmt: skip
             known[key] = (found.makespan, bound.makespan)
         return not _faster(known[key][1], found.makespan)

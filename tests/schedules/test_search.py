@@ -331,6 +331,29 @@ def test_the_shift_pass_reaches_problems_of_a_few_hundred_actions():
     assert found.makespan == pytest.approx(bound) == pytest.approx(27.4)
 
 
+@pytest.mark.slow  # two searches of about 6 and 13 CPU s
+def test_escalated_kicks_reach_the_bound_where_nothing_beats_v_half(monkeypatch):
+    """p = 13, m = 13, MoE costs, budget 7 (V-Half's own peak): V-Half takes 78.0, the lower
+    bound and the optimum (CP-SAT, by hand) are 76.2. A kick's refinement gets there only with
+    shift passes, and one pass (16,224 simulations) is just above a kick's budget (15,779):
+    without escalation the search stays at V-Half, with it the kicked V-Half reaches the bound."""
+    from hpcpipe.schedules.bound import lower_bound
+
+    cfg = PipelineConfig(microbatches=13, t_alltoall=(0.25,), comm_latency=0.1)
+    costs = costs_for(cfg, 13)
+    v_half = simulate(build_schedule("v-half", 13, 13), costs(26)).makespan
+    assert v_half == pytest.approx(78.0)
+    placement = [(r, 25 - r) for r in range(13)]
+    bound = lower_bound(placement, 13, costs(26), 7.0).makespan
+    assert bound == pytest.approx(76.2)
+    found = search(13, 13, costs, 7.0)
+    check(found, cfg, 13, 7.0)
+    assert found.makespan == pytest.approx(bound)
+    assert found.how.startswith("up to 1 more F before the first B, refined: fixed: v-half")
+    monkeypatch.setattr(search_module, "ESCALATE_ACTIONS", 0)
+    assert search(13, 13, costs, 7.0).makespan == pytest.approx(v_half)
+
+
 def test_late_second_chunk_forwards_reach_the_optimum_where_v_half_is_half_a_step_behind():
     """p = 6, m = 6, unit costs, budget 4: V-Half takes 24; the lower bound and the exact
     optimum with every stage in microbatch order (CP-SAT) are 23.5. That order runs a ready
