@@ -24,9 +24,9 @@ stages and free communication. The search builds schedules for the deck's own co
    3 more forwards on each rank before its first backward, as the budget allows
    (`refine.deepened`), each kicked order refined again.
 
-6. **Escalation.** Where nothing the search built is faster than the best of the generators'
-   schedules (fixed and V family) and the lower bound says something may be, the kicks run
-   again with shift passes to the end (`ESCALATE_ACTIONS`), until one reaches the bound.
+6. **Escalation.** Where the kicks stopped for their budget and nothing is faster than the
+   best fixed schedule, the first kick is refined with one shift pass more; if that takes it
+   below, it goes on with shift passes up to `ESCALATE_ACTIONS`.
 
 Steps 4 to 6 skip a candidate already at the lower bound of its own placement (`bound`):
 they keep only strictly faster orders, and none exists.
@@ -377,24 +377,19 @@ def _kick_evals(p: int, m: int) -> int:
 
 
 ESCALATE_ACTIONS = 1 << 29
-"""Simulated actions each kick's refinement may spend when the search escalates (step 6): the
-shift passes the kicks' own budget leaves out (at p = 13, m = 13 one pass is 16,224
-simulations, the kick has 15,779) are what move a V-Half under MoE costs down to the bound
-(budget 7: 78.0 to 76.2 in about 140,000 simulations; p = 15, m = 15, budget 8: 90.5 to 88.4
-in about 237,000), 10-20 CPU s each. A count, not a time."""
+"""Simulated actions the escalated kick's refinement may spend (step 6): the shift passes a
+kick's own budget leaves out (at p = 13, m = 13 one pass is 16,224 simulations, a kick has
+15,779) are what move a V-Half under MoE costs at its own peak down to the bound (budget 7:
+78.0 to 76.2 in about 140,000 simulations; p = 15, m = 15, budget 8: 90.5 to 88.4 in about
+237,000), 5-15 CPU s. A count, not a time."""
 
 ESCALATE_PASSES = 4
-"""Shift passes the escalated budget must hold for the search to escalate at all: fewer
-rarely get a refinement from a kick to the bound (p = 15 took 11), so larger problems do not
-spend the time."""
-
-ESCALATE_STATES = 100_000
-"""States the bound's searches for ranks alone take before the search escalates: a candidate
-`BOUND_STATES` could not prove optimal may still be, and escalating then is wasted time."""
+"""Shift passes `ESCALATE_ACTIONS` must hold for the search to escalate at all: fewer rarely
+take a kick to the bound (p = 15 took 11), so larger problems do not spend the time."""
 
 
 def _escalate_evals(p: int, m: int) -> int:
-    """Simulations per kicked order when escalating; 0 where the passes do not fit."""
+    """Simulations the escalated kick may take; 0 where the passes do not fit."""
     actions = 6 * p * m
     evals = ESCALATE_ACTIONS // actions
     return evals if evals >= ESCALATE_PASSES * shift_pass_evals(actions) else 0
@@ -464,16 +459,14 @@ def search(
     def placed(found: Found) -> bool:
         return shapes is None or tuple(map(tuple, found.schedule.stages_of_rank)) in shapes
 
-    generated = _INF  # the fastest fixed or V family schedule that fits
+    published = _INF  # the fastest fixed schedule that fits
     for item in fixed if fixed is not None else fixed_points(p, m, costs_for, placements):
         if isinstance(item, Found) and _fits(item.peak, cap) and placed(item):
             add(item)
-            generated = min(generated, item.makespan)
+            published = min(published, item.makespan)
     if True in placements:  # after the published schedules: equal makespan and peak, they win
         for found in _family(p, m, costs_for, budget):
             add(found)
-            if _fits(found.peak, cap):
-                generated = min(generated, found.makespan)
     ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
     budget_evals, then = _refine_evals(p, m), _ripple_evals(p, m)
     at_bound = _bound_check(costs_for, budget)
@@ -489,9 +482,17 @@ def search(
             add(Found(sched, result.makespan, float(result.peak_memory.max()), how))
     cut = _kick(pool, add, cap, budget, costs_for, _kick_evals(p, m), at_bound)
     evals = _escalate_evals(p, m)
-    if cut and evals and not _faster(min(e[0] for e in pool if _fits(e[1], cap)), generated):
-        proof = _bound_check(costs_for, budget, ESCALATE_STATES)
-        _kick(pool, add, cap, budget, costs_for, evals, proof, until_bound=True)
+    start = _kick_start(pool, cap)
+    if (
+        cut
+        and evals
+        and start is not None
+        and placement_of(start.schedule) in placements
+        and published < _INF
+        and not _faster(min(e[0] for e in pool if _fits(e[1], cap)), published)
+    ):
+        probe = _kick_evals(p, m) + shift_pass_evals(6 * p * m)
+        _escalate(pool, add, cap, budget, costs_for, probe, evals)
     valid = sorted(
         (entry for entry in pool if _fits(entry[1], cap)), key=lambda e: (e[0], e[1], e[2])
     )
@@ -513,19 +514,15 @@ def _kick(
     costs_for: CostsFor,
     evals: int,
     at_bound: Callable[[Found], bool],
-    *,
-    until_bound: bool = False,
 ) -> bool:
     """Kick the fastest schedule without pairs in the pool that fits (`KICKS`) and refine each
-    kicked order; adds those faster than it (`until_bound`: stops at the first at the bound,
-    which no other kick can beat). Returns whether a refinement stopped for its budget
-    (`evals`, or a shift pass it could not hold) rather than for want of a better move."""
-    ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
-    start = next((e[3] for e in ranked if not e[3].schedule.pairs.size), None)
+    kicked order; adds those faster than it. Returns whether a refinement stopped for its
+    budget (`evals`, or a shift pass it could not hold) rather than for want of a better move."""
+    start = _kick_start(pool, cap)
     if start is None or at_bound(start):
         return False
     costs = costs_for(start.schedule.num_stages)
-    cut = shift_pass_evals(start.schedule.kinds.size) > evals
+    cut = False
     tried: set[str] = set()
     for extra in KICKS:
         kicked = deepened(start.schedule, costs, budget, extra)
@@ -533,15 +530,47 @@ def _kick(
             continue  # (where the budget is full, one more forward is all a rank takes)
         tried.add(kicked.fingerprint())
         sched, result, spent = refine(kicked, costs, budget, evals)
-        cut = cut or spent >= evals
+        cut = cut or spent >= evals or shift_pass_evals(kicked.kinds.size) > evals
         peak = float(result.peak_memory.max())
         if _fits(peak, cap) and _faster(result.makespan, start.makespan):
             how = f"up to {extra} more F before the first B, refined: {start.how}"
-            found = Found(sched, result.makespan, peak, how)
-            add(found)
-            if until_bound and at_bound(found):
-                break
+            add(Found(sched, result.makespan, peak, how))
     return cut
+
+
+def _escalate(
+    pool: list[tuple[float, float, int, Found]],
+    add: Callable[[Found], None],
+    cap: float,
+    budget: float | None,
+    costs_for: CostsFor,
+    probe: int,
+    evals: int,
+) -> None:
+    """Step 6: the first kick of the kicks' start, refined with `probe` simulations; if that
+    takes it below the start, on from there with shift passes, up to `evals` simulations in
+    all. Where the start is already optimal only the probe is spent."""
+    start = _kick_start(pool, cap)
+    if start is None:
+        return
+    costs = costs_for(start.schedule.num_stages)
+    kicked = next(
+        (k for k in (deepened(start.schedule, costs, budget, e) for e in KICKS) if k is not None),
+        None,
+    )
+    if kicked is None:
+        return
+    sched, result, spent = refine(kicked, costs, budget, probe)
+    if _faster(result.makespan, start.makespan) and _fits(float(result.peak_memory.max()), cap):
+        sched, result, _ = refine(sched, costs, budget, evals - spent)
+        how = f"a kick refined with shift passes: {start.how}"
+        add(Found(sched, result.makespan, float(result.peak_memory.max()), how))
+
+
+def _kick_start(pool: list[tuple[float, float, int, Found]], cap: float) -> Found | None:
+    """The schedule `_kick` kicks: the fastest without pairs in the pool that fits."""
+    ranked = sorted((e for e in pool if _fits(e[1], cap)), key=lambda e: (e[0], e[1], e[2]))
+    return next((e[3] for e in ranked if not e[3].schedule.pairs.size), None)
 
 
 BOUND_STATES = 2_000

@@ -336,7 +336,8 @@ def test_escalated_kicks_reach_the_bound_where_nothing_beats_v_half(monkeypatch)
     """p = 13, m = 13, MoE costs, budget 7 (V-Half's own peak): V-Half takes 78.0, the lower
     bound and the optimum (CP-SAT, by hand) are 76.2. A kick's refinement gets there only with
     shift passes, and one pass (16,224 simulations) is just above a kick's budget (15,779):
-    without escalation the search stays at V-Half, with it the kicked V-Half reaches the bound."""
+    without escalation the search stays at V-Half, with it the kicked V-Half reaches the bound.
+    Where no fixed schedule fits (budget 3), the search does not escalate."""
     from hpcpipe.schedules.bound import lower_bound
 
     cfg = PipelineConfig(microbatches=13, t_alltoall=(0.25,), comm_latency=0.1)
@@ -349,9 +350,15 @@ def test_escalated_kicks_reach_the_bound_where_nothing_beats_v_half(monkeypatch)
     found = search(13, 13, costs, 7.0)
     check(found, cfg, 13, 7.0)
     assert found.makespan == pytest.approx(bound)
-    assert found.how.startswith("up to 1 more F before the first B, refined: fixed: v-half")
+    assert found.how == "a kick refined with shift passes: fixed: v-half"
     monkeypatch.setattr(search_module, "ESCALATE_ACTIONS", 0)
     assert search(13, 13, costs, 7.0).makespan == pytest.approx(v_half)
+    monkeypatch.undo()
+    escalated = []
+    monkeypatch.setattr(search_module, "_escalate", lambda *args: escalated.append(args))
+    assert not [f for f in fixed_points(13, 13, costs) if isinstance(f, Found) and f.peak <= 3]
+    search(13, 13, costs, 3.0)
+    assert escalated == []
 
 
 def test_late_second_chunk_forwards_reach_the_optimum_where_v_half_is_half_a_step_behind():
