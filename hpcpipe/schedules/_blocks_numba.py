@@ -31,17 +31,26 @@ def repeated_peak(block, m, period):  # pragma: no cover
                     fwd[t] += 1
                 else:  # B1, B0
                     bwd[t] += 1
-        free = 0
-        arrived = 0
-        started = 0
-        lowest = 0  # min over slots so far of (Bs arrived - free slots), at most 0
-        for t in range(bound):
-            if not busy[t]:
-                free += 1
-            arrived += bwd[t]
-            started += fwd[t]
-            lowest = min(lowest, arrived - free)
-            peak = max(peak, started - (free + lowest))
+        peak = max(peak, _queue_peak(fwd, bwd, busy, bound))
+    return peak
+
+
+@njit(cache=True)
+def _queue_peak(fwd, bwd, busy, bound):  # pragma: no cover
+    """Most activations held over slots 0..bound-1: F +1 each, and each free slot after a B
+    runs one owed W (-1)."""
+    peak = 0
+    free = 0
+    arrived = 0
+    started = 0
+    lowest = 0  # min over slots so far of (Bs arrived - free slots), at most 0
+    for t in range(bound):
+        if not busy[t]:
+            free += 1
+        arrived += bwd[t]
+        started += fwd[t]
+        lowest = min(lowest, arrived - free)
+        peak = max(peak, started - (free + lowest))
     return peak
 
 
@@ -188,18 +197,7 @@ def _row_peak(t4, w, s, with_w, up, down, busy):  # pragma: no cover
             peak = max(peak, live)
             live -= down[t]
         return peak
-    free = 0
-    arrived = 0
-    started = 0
-    lowest = 0
-    for t in range(bound):
-        if not busy[t]:
-            free += 1
-        arrived += down[t]
-        started += up[t]
-        lowest = min(lowest, arrived - free)
-        peak = max(peak, started - (free + lowest))
-    return peak
+    return _queue_peak(up, down, busy, bound)
 
 
 @njit(cache=True)
